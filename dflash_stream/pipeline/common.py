@@ -1,0 +1,56 @@
+"""What every role needs to agree on before touching the store: its fingerprint and its worst-case segment."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+from dflash_stream.config import Config
+
+
+def data_spec_digest(cfg: Config) -> str:
+    """A short digest of everything that decides which samples exist and what their tokens are."""
+    spec = {
+        "sources": [s.model_dump() for s in cfg.data.sources],
+        "system_prompt": cfg.data.system_prompt,
+        "regenerate": cfg.data.regenerate,
+        "generation": cfg.data.generation.model_dump() if cfg.data.regenerate else None,
+        "min_supervised_tokens": cfg.min_supervised_tokens,
+        "seed": cfg.data.seed,
+    }
+    return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def store_fingerprint(cfg: Config, layer_ids: list[int], hidden_size: int, tokenizer_name: str) -> dict[str, Any]:
+    """What produced a store; reopening it with any field different is refused."""
+    return {
+        "target": f"{cfg.target.model}{'/' + cfg.target.gguf_file if cfg.target.gguf_file else ''}",
+        "layer_ids": list(layer_ids),
+        "hidden_size": hidden_size,
+        "max_length": cfg.data.max_length,
+        "tokenizer": tokenizer_name,
+        "codec": cfg.store.codec,
+        "data_spec": data_spec_digest(cfg),
+    }
+
+
+def max_segment_raw_bytes(cfg: Config, num_layers_captured: int, hidden_size: int) -> int:
+    """A segment is filled to `store.segment_bytes`, but one sample of `max_length` tokens may exceed that."""
+    per_token = num_layers_captured * hidden_size * 2 + 4 + 1  # bf16 states + int32 id + mask byte
+    return max(int(cfg.store.segment_bytes), cfg.data.max_length * per_token)
+
+
+def open_store(cfg: Config, layer_ids: list[int], hidden_size: int, tokenizer_name: str, create: bool = True):
+    """Open (or create) the run's store with its fingerprint and budget checks."""
+    from dflash_stream.store import Store
+
+    return Store.open(
+        cfg.store.path,
+        budget=int(cfg.store.budget),
+        codec=cfg.store.codec,
+        reuse=cfg.store.reuse,
+        fingerprint=store_fingerprint(cfg, layer_ids, hidden_size, tokenizer_name),
+        max_segment_raw_bytes=max_segment_raw_bytes(cfg, len(layer_ids), hidden_size),
+        create=create,
+    )
