@@ -22,14 +22,24 @@ def data_spec_digest(cfg: Config) -> str:
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def store_fingerprint(cfg: Config, layer_ids: list[int], hidden_size: int, tokenizer_name: str) -> dict[str, Any]:
+def store_layout(cfg: Config) -> tuple[list[int], int]:
+    """(layer ids, hidden size) of the states this run stores, from the target's config alone."""
+    from dflash_stream.target import load_target_config, resolve_layer_ids
+
+    target_config = load_target_config(cfg.target)
+    return resolve_layer_ids(target_config.num_hidden_layers, cfg.target), target_config.hidden_size
+
+
+def store_fingerprint(cfg: Config, layer_ids: list[int], hidden_size: int) -> dict[str, Any]:
     """What produced a store; reopening it with any field different is refused."""
+    target = f"{cfg.target.model}{'/' + cfg.target.gguf_file if cfg.target.gguf_file else ''}"
     return {
-        "target": f"{cfg.target.model}{'/' + cfg.target.gguf_file if cfg.target.gguf_file else ''}",
+        "target": target,
         "layer_ids": list(layer_ids),
         "hidden_size": hidden_size,
         "max_length": cfg.data.max_length,
-        "tokenizer": tokenizer_name,
+        # The tokenizer always comes with the target; its revision pins it.
+        "tokenizer": f"{target}@{cfg.target.revision or 'default'}",
         "codec": cfg.store.codec,
         "data_spec": data_spec_digest(cfg),
     }
@@ -41,7 +51,7 @@ def max_segment_raw_bytes(cfg: Config, num_layers_captured: int, hidden_size: in
     return max(int(cfg.store.segment_bytes), cfg.data.max_length * per_token)
 
 
-def open_store(cfg: Config, layer_ids: list[int], hidden_size: int, tokenizer_name: str, create: bool = True):
+def open_store(cfg: Config, layer_ids: list[int], hidden_size: int, create: bool = True):
     """Open (or create) the run's store with its fingerprint and budget checks."""
     from dflash_stream.store import Store
 
@@ -50,7 +60,7 @@ def open_store(cfg: Config, layer_ids: list[int], hidden_size: int, tokenizer_na
         budget=int(cfg.store.budget),
         codec=cfg.store.codec,
         reuse=cfg.store.reuse,
-        fingerprint=store_fingerprint(cfg, layer_ids, hidden_size, tokenizer_name),
+        fingerprint=store_fingerprint(cfg, layer_ids, hidden_size),
         max_segment_raw_bytes=max_segment_raw_bytes(cfg, len(layer_ids), hidden_size),
         create=create,
     )
