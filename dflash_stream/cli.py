@@ -6,7 +6,7 @@ import argparse
 import importlib
 import sys
 
-from dflash_stream.config import ConfigError
+from dflash_stream.errors import DFlashError
 
 # Modules that define `register(subparsers)` (top-level commands) and/or `register_bench(subparsers)`.
 COMMAND_MODULES = [
@@ -46,8 +46,8 @@ def main(argv: list[str] | None = None) -> int:
         args.overrides = extra
     try:
         return args.func(args) or 0
-    except ConfigError as err:
-        print(f"dflash-stream: config error: {err}", file=sys.stderr)
+    except DFlashError as err:
+        print(f"dflash-stream: error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

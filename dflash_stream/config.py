@@ -12,9 +12,9 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from dflash_stream.errors import ConfigError
 
-class ConfigError(ValueError):
-    """A configuration problem, phrased as one line naming the key."""
+__all__ = ["Config", "ConfigError", "config_from_dict", "dump_config", "load_config", "parse_overrides"]
 
 
 class Section(BaseModel):

@@ -1,0 +1,9 @@
+"""The one exception family the CLI prints as a single line instead of a traceback."""
+
+
+class DFlashError(Exception):
+    """Something the user can fix (a config key, a path, a store made by another config), said in one line."""
+
+
+class ConfigError(DFlashError, ValueError):
+    """A configuration problem, phrased as one line naming the key."""

@@ -1,0 +1,227 @@
+"""`dflash-stream run`: one launch that extracts and trains at once, and `dflash-stream audit`.
+
+Under `accelerate launch` the ranks split into extractors and trainers (see roles.py); with one process the run
+alternates: extract until the buffer is full, train on what is ready, release, repeat.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dflash_stream.config import Config, dump_config, load_config
+from dflash_stream.errors import DFlashError
+from dflash_stream.log import get_logger, setup_logging
+from dflash_stream.observe.metrics import MetricsWriter
+from dflash_stream.pipeline.audit import audit_run, format_audit
+from dflash_stream.pipeline.common import open_store, store_layout
+from dflash_stream.pipeline.roles import RoleInfo, assign_role, init_distributed
+
+log = get_logger("run")
+
+SUMMARY_PARTS = "summary-parts"
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    run = sub.add_parser("run", help="extract and train in one launch (the main job)")
+    run.add_argument("--config", required=True, help="run config YAML")
+    run.set_defaults(func=run_command, overrides=[])
+
+    audit = sub.add_parser("audit", help="prove every sample was trained exactly once per epoch")
+    audit.add_argument("output", help="the run's output_dir")
+    audit.add_argument("--json", action="store_true")
+    audit.set_defaults(func=audit_command)
+
+
+def audit_command(args: argparse.Namespace) -> int:
+    report = audit_run(args.output)
+    print(json.dumps(report, indent=2) if args.json else format_audit(report))
+    return 0 if report["ok"] else 1
+
+
+def _first_rank_opens_store(cfg: Config, role: RoleInfo, layer_ids: list[int], hidden_size: int):
+    """Rank 0 creates or recovers the store before anyone else touches it; its error stops every rank."""
+    error: list[str | None] = [None]
+    store = None
+    if role.global_rank == 0:
+        single = role.role == "single"
+        try:
+            store = open_store(cfg, layer_ids, hidden_size)
+            # A trainer's own claims survive: its checkpoint may record a half-trained segment it resumes.
+            trainers = [f"trainer-{i}" for i in range(1 if single else cfg.roles.trainers)]
+            report = store.recover(keep_consumers=trainers)
+            if any(report.values()):
+                log.info("recovered the store after an earlier stop: %s", report)
+            store.set_expected_writers(1 if single else role.world_size - cfg.roles.trainers)
+        except DFlashError as err:  # every rank must learn of it, or the others wait forever
+            error[0] = str(err)
+    if role.world_size > 1:
+        dist.broadcast_object_list(error, src=0)
+    if error[0] is not None:
+        raise DFlashError(error[0])
+    return store if store is not None else open_store(cfg, layer_ids, hidden_size, create=False)
+
+
+def _write_summary_part(output: Path, role: RoleInfo, fields: dict[str, Any]) -> None:
+    parts = output / SUMMARY_PARTS
+    parts.mkdir(parents=True, exist_ok=True)
+    tmp = parts / f".{role.role}-{role.index}.json.tmp"
+    tmp.write_text(json.dumps(fields))
+    os.replace(tmp, parts / f"{role.role}-{role.index}.json")
+
+
+def _peak_store_bytes(output: Path) -> int:
+    from dflash_stream.observe.metrics import read_metrics
+
+    peaks = [e["used_bytes"] + e.get("reserved_bytes", 0) for e in read_metrics(output) if e["event"] == "store"]
+    return max(peaks, default=0)
+
+
+def write_summary(cfg: Config, started: float) -> dict[str, Any]:
+    """OUTPUT/summary.json from every rank's part, and a closing table."""
+    output = Path(cfg.output_dir)
+    parts = [json.loads(p.read_text()) for p in sorted((output / SUMMARY_PARTS).glob("*.json"))]
+    extractors = [p for p in parts if p["role"] in ("extractor", "single")]
+    trainers = [p for p in parts if p["role"] in ("trainer", "single")]
+    lead = next((p for p in trainers if p["index"] == 0), {})
+    summary = {
+        "samples_extracted": sum(p.get("samples_extracted", 0) for p in extractors),
+        "tokens_extracted": sum(p.get("tokens_extracted", 0) for p in extractors),
+        "samples_trained": sum(p.get("samples_trained", 0) for p in trainers),
+        "steps": lead.get("steps", 0),
+        "budget_bytes": int(cfg.store.budget),
+        "peak_store_bytes": _peak_store_bytes(output),
+        "wall_seconds": round(time.time() - started, 2),
+        "extract_seconds": round(max((p.get("extract_seconds", 0.0) for p in extractors), default=0.0), 2),
+        "train_seconds": round(max((p.get("train_seconds", 0.0) for p in trainers), default=0.0), 2),
+        "trainer_data_wait_seconds": round(max((p.get("data_wait_seconds", 0.0) for p in trainers), default=0.0), 2),
+        "extractor_backpressure_seconds": round(
+            max((p.get("backpressure_seconds", 0.0) for p in extractors), default=0.0), 2
+        ),
+        "final_loss": lead.get("final_loss"),
+        "checkpoint": lead.get("export"),
+        "eval": lead.get("eval"),
+    }
+    tmp = output / ".summary.json.tmp"
+    tmp.write_text(json.dumps(summary, indent=2))
+    os.replace(tmp, output / "summary.json")
+    width = max(len(k) for k in summary)
+    lines = [f"  {k.ljust(width)}  {v if not isinstance(v, dict) else json.dumps(v)}" for k, v in summary.items()]
+    print("\nrun summary (" + str(output / "summary.json") + ")\n" + "\n".join(lines), flush=True)
+    return summary
+
+
+def _finish_training(cfg: Config, role: RoleInfo, trainer) -> dict[str, Any]:
+    """Export the drafter and measure its acceptance on held-out prompts (trainer index 0 only)."""
+    fields: dict[str, Any] = {}
+    if role.index != 0:
+        return fields
+    export = trainer.export(Path(cfg.output_dir) / "drafter")
+    fields["export"] = str(export)
+    if cfg.eval.prompts:
+        from dflash_stream.drafter import evaluate
+
+        result = evaluate(cfg, export, cfg.eval.prompts, cfg.eval.max_new_tokens)
+        (Path(cfg.output_dir) / "eval.json").write_text(json.dumps(result, indent=2))
+        fields["eval"] = {k: result[k] for k in ("acceptance_length", "matches_target", "speedup") if k in result}
+        log.info(
+            "held-out acceptance length tau = %.3f (matches target: %s, speedup %.2fx)",
+            result["acceptance_length"], result["matches_target"], result.get("speedup", float("nan")),
+        )
+    return fields
+
+
+def _trainer_fields(trainer) -> dict[str, Any]:
+    return {
+        "samples_trained": trainer.samples_trained,
+        "steps": trainer.steps,
+        "final_loss": trainer.final_loss,
+        "train_seconds": trainer.train_seconds,
+        "data_wait_seconds": trainer.data_wait_seconds,
+    }
+
+
+def _extractor_fields(extractor) -> dict[str, Any]:
+    return {
+        "samples_extracted": extractor.samples_written,
+        "tokens_extracted": extractor.tokens_written,
+        "extract_seconds": extractor.extract_seconds,
+        "backpressure_seconds": extractor.backpressure_seconds,
+    }
+
+
+def run_single(cfg: Config, role: RoleInfo, store, metrics: MetricsWriter, device: torch.device) -> dict[str, Any]:
+    """One process: extract until the buffer is full, train on what is ready, release, repeat."""
+    from dflash_stream.pipeline.extractor import Extractor
+    from dflash_stream.pipeline.trainer import Trainer
+
+    extractor = Extractor(cfg, role, store, metrics, device)
+    trainer = Trainer(cfg, role, store, metrics, device)
+    rounds = 0
+    while not extractor.run(until_full=True):
+        rounds += 1
+        log.info("buffer full: training on the ready segments (round %d)", rounds)
+        trainer.run(until_idle=True)
+    trainer.run()
+    return {**_extractor_fields(extractor), **_trainer_fields(trainer), **_finish_training(cfg, role, trainer)}
+
+
+def run_role(cfg: Config, role: RoleInfo, store, metrics: MetricsWriter, device: torch.device) -> dict[str, Any]:
+    if role.role == "extractor":
+        from dflash_stream.pipeline.extractor import Extractor
+
+        extractor = Extractor(cfg, role, store, metrics, device)
+        extractor.run()
+        return _extractor_fields(extractor)
+    from dflash_stream.pipeline.trainer import Trainer
+
+    trainer = Trainer(cfg, role, store, metrics, device)
+    trainer.run()
+    return {**_trainer_fields(trainer), **_finish_training(cfg, role, trainer)}
+
+
+def run_command(args: argparse.Namespace) -> int:
+    started = time.time()
+    cfg = load_config(args.config, args.overrides)
+    role = assign_role(cfg)
+    setup_logging(role.role, role.index, show_bar=role.speaks_for_role)
+    device = _device(cfg)
+    layer_ids, hidden_size = store_layout(cfg)
+    output = Path(cfg.output_dir)
+    output.mkdir(parents=True, exist_ok=True)
+    if role.global_rank == 0:
+        (output / "config.yaml").write_text(dump_config(cfg))
+        log.info(
+            "run: %d process(es), %s; layers %s of the target, store %s (budget %s, codec %s)",
+            role.world_size, "single-process" if role.role == "single" else f"{role.count} {role.role}(s) here",
+            layer_ids, cfg.store.path, cfg.store.budget.human_readable(), cfg.store.codec,
+        )
+    store = _first_rank_opens_store(cfg, role, layer_ids, hidden_size)
+    metrics = MetricsWriter(output, role.role, role.index)
+    metrics.log("start", pid=os.getpid(), host=os.uname().nodename, config=cfg.model_dump(mode="json"))
+    try:
+        if role.role == "single":
+            fields = run_single(cfg, role, store, metrics, device)
+        else:
+            fields = run_role(cfg, role, store, metrics, device)
+        _write_summary_part(output, role, {"role": role.role, "index": role.index, **fields})
+        if role.role in ("single", "trainer") and role.index == 0:
+            summary = write_summary(cfg, started)
+            metrics.log("end", summary=summary)
+    finally:
+        metrics.close()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return 0
+
+
+def _device(cfg: Config) -> torch.device:
+    """`target.device`, or the device accelerate gives this rank (cuda:LOCAL_RANK, or cpu)."""
+    return init_distributed() if cfg.target.device == "auto" else torch.device(cfg.target.device)
