@@ -207,11 +207,20 @@ def parse_overrides(args: list[str]) -> dict[str, Any]:
     return tree
 
 
-def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+def _merge(base: dict[str, Any], extra: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     out = dict(base)
     for key, value in extra.items():
         if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = _merge(out[key], value)
+            out[key] = _merge(out[key], value, f"{prefix}{key}.")
+        elif isinstance(value, dict) and isinstance(out.get(key), list) and all(k.isdigit() for k in value):
+            # `--data.sources.1.limit=100` edits one element of a list section
+            items = list(out[key])
+            for index, item in value.items():
+                i = int(index)
+                if i >= len(items):
+                    raise ConfigError(f"--{prefix}{key}.{index}: '{prefix}{key}' has only {len(items)} entries")
+                items[i] = _merge(items[i], item) if isinstance(item, dict) and isinstance(items[i], dict) else item
+            out[key] = items
         else:
             out[key] = value
     return out
@@ -247,6 +256,8 @@ def _one_line(err: ValidationError) -> str:
     got = first.get("input")
     got_text = "" if isinstance(got, dict | list) else f" (got {got!r})"
     msg = first["msg"].removeprefix("Value error, ")
+    if first["type"].startswith("byte_size"):
+        msg = "expected a size such as 150GB, 150GiB, 512MiB or a plain number of bytes"
     more = f" [+{len(err.errors()) - 1} more]" if len(err.errors()) > 1 else ""
     return f"config key '{key}': {msg}{got_text}{more}"
 
