@@ -17,8 +17,10 @@ $(BIN)/dflash-stream: pyproject.toml
 
 setup: $(BIN)/dflash-stream
 
+# A fresh demo each time (a rerun of the same output folder would resume the finished run instead).
 demo: setup
-	$(BIN)/dflash-stream run --config configs/demo.yaml
+	rm -rf runs/demo
+	$(BIN)/accelerate launch --config_file launch/cpu-2proc.yaml -m dflash_stream run --config configs/demo.yaml
 
 test: setup
 	$(BIN)/python -m pytest -q

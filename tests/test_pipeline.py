@@ -1,0 +1,214 @@
+"""The main job end to end: `accelerate launch ... run` with real processes, kills at random moments, resume,
+the exactly-once audit, the budget measured from outside, and bad configs refused before any work."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from dflash_stream.cli import main
+from dflash_stream.pipeline.audit import audit_run
+
+REPO = Path(__file__).parent.parent
+LAUNCH_2CPU = REPO / "launch" / "cpu-2proc.yaml"
+BUDGET = 700_000
+
+
+def _rows(n: int) -> list[dict]:
+    """Real text: docstrings of the standard library, as prompt/response pairs."""
+    import inspect
+    import json as json_mod
+    import pathlib
+    import textwrap
+
+    texts = []
+    for module in (json_mod, pathlib, textwrap, inspect, random, threading, subprocess):
+        for name in sorted(dir(module)):
+            doc = inspect.getdoc(getattr(module, name, None)) or ""
+            if 120 < len(doc) < 600:
+                texts.append((name, doc))
+    rows = [{"prompt": f"What does `{name}` do?", "response": doc} for name, doc in texts]
+    return rows[:n]
+
+
+def write_run_config(tmp: Path, target_dir: Path, **overrides) -> Path:
+    data = tmp / "rows.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in _rows(48)))
+    cfg = {
+        "output_dir": str(tmp / "out"),
+        "target": {"model": str(target_dir), "dtype": "float32", "device": "cpu", "num_capture_layers": 3},
+        "data": {"sources": [{"path": str(data), "format": "prompt_response"}], "max_length": 96},
+        "extract": {"batch_tokens": 512},
+        "store": {"path": str(tmp / "out" / "store"), "budget": BUDGET, "segment_bytes": 48_000},
+        "drafter": {"num_layers": 1, "block_size": 4},
+        "train": {"epochs": 2, "batch_tokens": 256, "num_anchors": 8, "checkpoint_every": 4, "log_every": 2},
+        "roles": {"trainers": 1},
+    }
+    for dotted, value in overrides.items():
+        node = cfg
+        *parents, leaf = dotted.split(".")
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[leaf] = value
+    path = tmp / "run.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+class DiskSampler:
+    """Measures the store directory from outside, as `du` would, while a run goes on."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.peak, self._stop = path, 0, threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def _size(self) -> int:
+        total = 0
+        for root, dirs, files in os.walk(self.path):
+            for name in dirs + files:
+                try:
+                    total += os.lstat(os.path.join(root, name)).st_blocks * 512
+                except FileNotFoundError:
+                    pass
+        return total
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self._size())
+            time.sleep(0.02)
+
+    def __enter__(self) -> DiskSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def launch(config: Path) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(LAUNCH_2CPU),
+           "-m", "dflash_stream", "run", "--config", str(config)]
+    return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+
+
+def finish(proc: subprocess.Popen, timeout: float = 400) -> str:
+    out, _ = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, out[-4000:]
+    return out
+
+
+def rank_pids(output: Path) -> dict[str, int]:
+    pids = {}
+    for path in (output / "metrics").glob("*.jsonl"):
+        for line in path.read_text().splitlines():
+            event = json.loads(line)
+            if event["event"] == "start":
+                pids[f"{event['role']}-{event['rank']}"] = event["pid"]
+    return pids
+
+
+def assert_exactly_once(output: Path, epochs: int) -> None:
+    report = audit_run(output)
+    assert report["ok"], report
+    assert len(report["passes"]) == epochs
+    for p in report["passes"]:
+        assert p["expected"] > 0 and p["missing"] == 0 and p["duplicated"] == 0
+
+
+@pytest.mark.slow
+def test_combined_run_under_accelerate(tiny_target_dir, tmp_path):
+    config = write_run_config(tmp_path, tiny_target_dir)
+    with DiskSampler(tmp_path / "out" / "store") as disk:
+        out = finish(launch(config))
+    output = tmp_path / "out"
+    summary = json.loads((output / "summary.json").read_text())
+    for key in ("samples_extracted", "tokens_extracted", "samples_trained", "budget_bytes", "peak_store_bytes",
+                "wall_seconds", "extract_seconds", "train_seconds", "trainer_data_wait_seconds",
+                "extractor_backpressure_seconds", "final_loss", "checkpoint"):
+        assert key in summary, key
+    assert summary["samples_trained"] == 2 * summary["samples_extracted"] > 0
+    assert disk.peak <= BUDGET, f"store reached {disk.peak} bytes on disk, budget {BUDGET}"
+    # The budget forced the buffer to wrap: far more data passed through than it can hold at once.
+    assert summary["tokens_extracted"] * 3 * 64 * 2 > 2 * BUDGET
+    assert (Path(summary["checkpoint"]) / "model.safetensors").is_file()
+    assert_exactly_once(output, epochs=2)
+    assert "run summary" in out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("victim", ["extractor-0", "trainer-0", "launch"])
+def test_kill_at_random_moment_then_resume(tiny_target_dir, tmp_path, victim):
+    config = write_run_config(tmp_path, tiny_target_dir)
+    output = tmp_path / "out"
+    rng = random.Random(hash(victim) & 0xFFFF)
+    with DiskSampler(output / "store") as disk:
+        proc = launch(config)
+        deadline = time.time() + 120
+        while time.time() < deadline and len(list((output / "ledger").glob("*/*.jsonl"))) == 0:
+            time.sleep(0.2)  # wait until training is under way, so the kill lands mid-stream
+        time.sleep(rng.uniform(0.0, 3.0))
+        if victim == "launch":
+            os.killpg(proc.pid, signal.SIGKILL)
+        else:
+            os.kill(rank_pids(output)[victim], signal.SIGKILL)
+        proc.communicate(timeout=120)
+        assert not (output / "summary.json").exists(), "the kill came too late to test anything"
+        finish(launch(config))
+    assert disk.peak <= BUDGET
+    assert_exactly_once(output, epochs=2)
+
+
+@pytest.mark.slow
+def test_single_process_mode(tiny_target_dir, tmp_path):
+    config = write_run_config(tmp_path, tiny_target_dir, **{"train.epochs": 1})
+    assert main(["run", "--config", str(config)]) == 0
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["samples_trained"] == summary["samples_extracted"] > 0
+    assert_exactly_once(tmp_path / "out", epochs=1)
+
+
+def _refused(config: Path, capsys, *args: str, env: dict[str, str] | None = None, monkeypatch=None) -> str:
+    for key, value in (env or {}).items():
+        monkeypatch.setenv(key, value)
+    assert main(["run", "--config", str(config), *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("dflash-stream: error:")
+    return err
+
+
+@pytest.mark.parametrize(
+    "args, env, words",
+    [
+        (["--roles.trainers=2"], {"WORLD_SIZE": "2", "RANK": "0"}, ["roles.trainers=2", "no extractor"]),
+        (["--roles.trainers=1"], {"WORLD_SIZE": "1", "RANK": "0", "_MODE": "split"}, ["roles.trainers=1"]),
+        (["--target.layer_ids=[1,2,9]"], {}, ["target.layer_ids", "6 decoder layers"]),
+        (["--store.budget=10kB"], {}, ["budget"]),
+    ],
+)
+def test_bad_config_refused_before_any_work(tiny_target_dir, tmp_path, capsys, monkeypatch, args, env, words):
+    config = write_run_config(tmp_path, tiny_target_dir)
+    if env.pop("_MODE", None):
+        args = [*args, "--roles.mode=split"]
+    err = _refused(config, capsys, *args, env=env, monkeypatch=monkeypatch)
+    for word in words:
+        assert word in err
+    assert not (tmp_path / "out" / "metrics").exists(), "work started before the config was refused"
+
+
+def test_store_from_another_config_refused(tiny_target_dir, tmp_path, capsys):
+    config = write_run_config(tmp_path, tiny_target_dir, **{"train.epochs": 1})
+    assert main(["run", "--config", str(config), "--data.sources.0.limit=4"]) == 0
+    err = _refused(config, capsys, "--data.max_length=64")
+    assert "max_length" in err
