@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import json
+import os
+import socket
 import time
 from pathlib import Path
 from typing import Any
+
+from dflash_stream.config import ConfigError
 
 
 class MetricsWriter:
@@ -18,6 +22,9 @@ class MetricsWriter:
         self._file = self.path.open("a", buffering=1)
 
     def log(self, event: str, **fields: Any) -> None:
+        if event == "start":
+            # `status` tells a crashed rank from a live one by this pid on this host.
+            fields = {"pid": os.getpid(), "host": socket.gethostname(), **fields}
         record = {"time": time.time(), "role": self.role, "rank": self.rank, "event": event, **fields}
         self._file.write(json.dumps(record) + "\n")
 
@@ -36,3 +43,42 @@ def read_metrics(output_dir: str | Path) -> list[dict[str, Any]]:
                 continue
     events.sort(key=lambda e: e.get("time", 0))
     return events
+
+
+class TrainingTracker(MetricsWriter):
+    """The trainer's metrics writer: every event to JSONL like MetricsWriter, and `train` events also as
+    TensorBoard scalars in OUTPUT/tensorboard/<role>-<rank> when `metrics.tensorboard` is on.
+
+    Only rank 0 writes TensorBoard: the loss and accuracies it logs are already reduced over the data-parallel
+    group, so other ranks would only duplicate the curves.
+    """
+
+    def __init__(self, output_dir: str | Path, role: str, rank: int, tensorboard: bool = False) -> None:
+        super().__init__(output_dir, role, rank)
+        self._tb = None
+        if tensorboard and rank == 0:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                raise ConfigError("metrics.tensorboard needs the tensorboard package: pip install tensorboard") from None
+            self._tb = SummaryWriter(str(Path(output_dir) / "tensorboard" / f"{role}-{rank}"))
+
+    def log(self, event: str, **fields: Any) -> None:
+        super().log(event, **fields)
+        if self._tb is not None and event == "train":
+            self._train_scalars(fields)
+
+    def _train_scalars(self, fields: dict[str, Any]) -> None:
+        step = fields["step"]
+        for key in ("loss", "tau", "lr", "tok_s", "data_wait_s", "epoch"):
+            if fields.get(key) is not None:
+                self._tb.add_scalar(f"train/{key}", fields[key], step)
+        # Slot k predicts the token k positions after the anchor; slot 0 is not trained, so slots start at 1.
+        for slot, value in enumerate(fields.get("acc") or [], start=1):
+            self._tb.add_scalar(f"acc/slot_{slot:02d}", value, step)
+        self._tb.flush()
+
+    def close(self) -> None:
+        super().close()
+        if self._tb is not None:
+            self._tb.close()

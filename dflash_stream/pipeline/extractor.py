@@ -1,5 +1,409 @@
-"""Placeholder: replaced by the part's owner."""
+"""The extractor: prepared samples -> target forward with capture hooks -> segments in the store.
+
+The forward loop runs in the calling thread. A sink thread takes each captured batch from a bounded queue,
+finishes its device-to-host copy, checks it, packs samples into segments of ~store.segment_bytes and writes
+them (the store encodes inside `write`), so the target waits only when that queue is full: the ring buffer is
+full, or encoding falls behind. Batches are length-sorted within windows of a few segments' worth of samples,
+which keeps padding low while every window still covers the whole range of lengths.
+"""
+
+from __future__ import annotations
+
+import argparse
+import queue
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from dflash_stream.config import Config, dump_config, load_config
+from dflash_stream.data import PreparedSample, prepare_shard, take_batch
+from dflash_stream.errors import DFlashError
+from dflash_stream.log import get_logger, progress, setup_logging
+from dflash_stream.observe.metrics import MetricsWriter
+from dflash_stream.pipeline.common import data_spec_digest, open_store, store_layout
+from dflash_stream.pipeline.roles import RoleInfo, assign_uniform
+from dflash_stream.store import Sample, Store, StoreFull
+from dflash_stream.target import load_target, resolve_device, resolve_layer_ids, text_config
+from dflash_stream.target.capture import LayerCapture
+from dflash_stream.target.regenerate import ResponseCache, generate_responses
+
+log = get_logger(__name__)
+
+WINDOW_SEGMENTS = 4
+"""Segments' worth of samples sorted by length together."""
+
+
+class NonFiniteStates(DFlashError):
+    """A captured hidden state holds NaN or Inf."""
+
+
+@dataclass
+class _Captured:
+    pass_index: int
+    samples: list[PreparedSample]
+    states: torch.Tensor
+    """bf16 [B, T, K*D] on the host (or being copied there until `ready` fires)."""
+    ready: torch.cuda.Event | None
+
+
+@dataclass
+class _EndOfPass:
+    pass_index: int
+
+
+_STOP = object()
+
+
+class _SegmentSink:
+    """The background side: host copies, checks, segment packing and store writes."""
+
+    def __init__(self, writer, segment_bytes: int, bytes_per_token: int, queue_size: int, on_segment) -> None:
+        self.writer, self.segment_bytes, self.bytes_per_token = writer, segment_bytes, bytes_per_token
+        self.on_segment = on_segment
+        self.queue: queue.Queue = queue.Queue(maxsize=queue_size)
+        self.pending: list[Sample] = []
+        self.pending_pass = 0
+        self.pending_bytes = 0
+        self.refused: list[tuple[int, list[Sample]]] = []
+        """Segments a full buffer turned away (non-blocking mode), written first on the next run."""
+        self.non_blocking = False
+        self.error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+
+    @property
+    def full(self) -> bool:
+        return bool(self.refused)
+
+    def start(self, non_blocking: bool) -> None:
+        self.non_blocking, self.error = non_blocking, None
+        self._thread = threading.Thread(target=self._loop, name="extract-sink", daemon=True)
+        self._thread.start()
+
+    def put(self, item: Any) -> float:
+        """Hand an item to the sink; returns the seconds spent waiting for room."""
+        started = time.perf_counter()
+        while True:
+            if self.error is not None:
+                raise self.error
+            try:
+                self.queue.put(item, timeout=0.1)
+                return time.perf_counter() - started
+            except queue.Full:
+                continue
+
+    def stop(self) -> None:
+        """Let the sink finish what is queued and end; what it could not write stays in `refused`/`pending`."""
+        if self._thread is None:
+            return
+        if self.error is None:
+            self.queue.put(_STOP)
+        self._thread.join()
+        self._thread = None
+        if self.error is not None:
+            raise self.error
+
+    def retry_refused(self) -> bool:
+        """Write the segments a full buffer refused earlier; False while it is still full."""
+        while self.refused:
+            pass_index, samples = self.refused[0]
+            try:
+                self.writer.write(samples, pass_index=pass_index, block=False)
+            except StoreFull:
+                return False
+            self.refused.pop(0)
+            self.on_segment(samples)
+        return True
+
+    def _loop(self) -> None:
+        try:
+            while (item := self.queue.get()) is not _STOP:
+                if isinstance(item, _EndOfPass):
+                    self._flush()
+                else:
+                    self._take(item)
+        except BaseException as err:  # handed to the forward loop, which re-raises it
+            self.error = err
+
+    def _take(self, item: _Captured) -> None:
+        if item.ready is not None:
+            item.ready.synchronize()
+        for row, sample in enumerate(item.samples):
+            # A copy, so the batch tensor is freed once its samples are packed.
+            states = item.states[row, : sample.num_tokens].clone()
+            if not torch.isfinite(states).all():
+                raise NonFiniteStates(f"sample {sample.sample_id} ({sample.origin}): the target produced NaN/Inf "
+                                      "hidden states; check target.dtype (float16 overflows on many models)")
+            self._add(item.pass_index, Sample(sample.sample_id, sample.input_ids, sample.loss_mask, states))
+
+    def _add(self, pass_index: int, sample: Sample) -> None:
+        size = len(sample.input_ids) * self.bytes_per_token
+        if self.pending and (pass_index != self.pending_pass or self.pending_bytes + size > self.segment_bytes):
+            self._flush()
+        self.pending.append(sample)
+        self.pending_pass = pass_index
+        self.pending_bytes += size
+
+    def _flush(self) -> None:
+        if not self.pending:
+            return
+        samples, pass_index = self.pending, self.pending_pass
+        self.pending, self.pending_bytes = [], 0
+        if self.refused:  # keep segments in order behind the one the buffer refused
+            self.refused.append((pass_index, samples))
+            return
+        try:
+            self.writer.write(samples, pass_index=pass_index, block=not self.non_blocking)
+        except StoreFull:
+            self.refused.append((pass_index, samples))
+            return
+        self.on_segment(samples)
+
+
+class Extractor:
+    """Extracts this rank's share of the data, every pass, into the store; resumable after a crash."""
+
+    def __init__(self, cfg: Config, role: RoleInfo, store: Store, metrics: MetricsWriter, device: torch.device,
+                 target: tuple[Any, Any] | None = None) -> None:
+        self.cfg, self.role, self.store, self.metrics, self.device = cfg, role, store, metrics, device
+        self.model, self.tokenizer = target if target is not None else load_target(cfg.target, device)
+        shape = text_config(self.model)
+        self.layer_ids = resolve_layer_ids(shape.num_hidden_layers, cfg.target)
+        self.capture = LayerCapture(self.model, self.layer_ids)
+        self.samples, self.report = prepare_shard(cfg, self.tokenizer, role.index, role.count)
+        self.cache = ResponseCache(cfg.output_dir, data_spec_digest(cfg), role.index) if cfg.data.regenerate else None
+        self._dropped: dict[int, tuple[str, str]] = {}
+        self.bytes_per_token = len(self.layer_ids) * shape.hidden_size * 2 + 5  # bf16 states, int32 id, mask
+        self.batch_tokens = cfg.extract.batch_tokens
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        self.samples_total = len(self.samples) * cfg.extraction_passes
+        self.samples_written = self.tokens_written = 0
+        self.backpressure_seconds = self.extract_seconds = 0.0
+        self.writer = store.writer(f"extractor-{role.index}")
+        self._sink = _SegmentSink(self.writer, int(cfg.store.segment_bytes), self.bytes_per_token,
+                                  cfg.extract.queue_size, self._on_segment)
+        self._work = self._plan()
+        self._bar = None
+        self._run_started = 0.0
+        self._forwarded_tokens = 0
+        self._done = False
+
+    # -- the public loop ------------------------------------------------------------------------------------
+
+    def run(self, until_full: bool = False) -> bool:
+        """Extract until this rank's share is in the store (True), or, with `until_full`, until the buffer is
+        full (False; call again once the trainer has freed room)."""
+        if self._done:
+            return True
+        if self._bar is None:
+            self._bar = progress(total=self.samples_total, unit="sample", desc="extract")
+        self._run_started = time.perf_counter()
+        try:
+            finished = self._sink.retry_refused() and self._feed(until_full)
+        finally:
+            self.extract_seconds += time.perf_counter() - self._run_started
+        if not finished:
+            return False
+        self.writer.finish()
+        self._finish_report()
+        self._bar.close()
+        self._done = True
+        return True
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "samples": self.samples_written, "tokens": self.tokens_written,
+            "extract_seconds": round(self.extract_seconds, 2),
+            "tok_s": round(self.tokens_written / max(self.extract_seconds, 1e-9), 1),
+            "backpressure_seconds": round(self.backpressure_seconds, 2),
+            "batch_tokens": self.batch_tokens,
+            "data": {k: v for k, v in self.report.to_dict().items() if k != "sample_ids"},
+        }
+
+    # -- forward loop ---------------------------------------------------------------------------------------
+
+    def _feed(self, until_full: bool) -> bool:
+        """Run batches through the target until the work is done (True) or the buffer refused a segment."""
+        self._sink.start(non_blocking=until_full)
+        exhausted = False
+        try:
+            while not self._sink.full:
+                item = next(self._work, None)
+                if item is None:
+                    exhausted = True
+                    break
+                pass_index, batch = item
+                if batch is None:
+                    self.backpressure_seconds += self._sink.put(_EndOfPass(pass_index))
+                    continue
+                for part, states, ready in self._forward(batch):
+                    self.backpressure_seconds += self._sink.put(_Captured(pass_index, part, states, ready))
+                    self._forwarded_tokens += sum(s.num_tokens for s in part)
+                    self._advance(len(part))
+        finally:
+            self._sink.stop()
+        return exhausted and not self._sink.full
+
+    def _forward(self, batch: list[PreparedSample]) -> Iterator[tuple[list[PreparedSample], torch.Tensor, Any]]:
+        """Capture a longest-first batch; on out-of-memory halve extract.batch_tokens and retry it in parts."""
+        todo = [batch]
+        while todo:
+            part = todo.pop(0)
+            try:
+                states, ready = self._capture(part)
+            except torch.OutOfMemoryError:
+                longest = part[0].num_tokens
+                if len(part) == 1:
+                    raise DFlashError(f"sample {part[0].sample_id} ({part[0].origin}, {longest} tokens) does not fit "
+                                      f"on {self.device} even alone; lower data.max_length") from None
+                self.batch_tokens = max(longest, min(self.batch_tokens, len(part) * longest) // 2)
+                log.warning("out of memory on %d samples x %d tokens: extract.batch_tokens now %d, retrying",
+                            len(part), longest, self.batch_tokens)
+                if self.device.type == "cuda":
+                    torch.cuda.empty_cache()
+                lengths = [s.num_tokens for s in part]
+                splits, start = [], 0
+                while start < len(part):
+                    end = take_batch(lengths, start, self.batch_tokens)
+                    splits.append(part[start:end])
+                    start = end
+                todo = splits + todo
+                continue
+            yield part, states, ready
+
+    def _capture(self, part: list[PreparedSample]) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        # Right padding: causal attention keeps every real token blind to the pads after it.
+        width = part[0].num_tokens
+        ids = torch.full((len(part), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(part), width), dtype=torch.long)
+        for row, sample in enumerate(part):
+            ids[row, : sample.num_tokens] = torch.from_numpy(sample.input_ids.astype(np.int64))
+            mask[row, : sample.num_tokens] = 1
+        states = self.capture(ids.to(self.device), mask.to(self.device))
+        if self.device.type != "cuda":
+            return states, None
+        # Start the copy now and let the sink wait for it, so the next forward is queued meanwhile.
+        host = states.to("cpu", non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return host, ready
+
+    # -- the work plan --------------------------------------------------------------------------------------
+
+    def _plan(self) -> Iterator[tuple[int, list[PreparedSample] | None]]:
+        """(pass, batch) for every sample the store lacks, then (pass, None) at the end of each pass.
+
+        Batches are cut lazily, so a budget halved after an out-of-memory error applies to the rest.
+        """
+        for pass_index in range(self.cfg.extraction_passes):
+            held = self.store.stored_sample_ids().get(pass_index, set())
+            todo = [s for s in self.samples if s.sample_id not in held]
+            if len(todo) < len(self.samples):
+                log.info("pass %d: %d samples already in the store, %d to extract",
+                         pass_index, len(self.samples) - len(todo), len(todo))
+                self._advance(len(self.samples) - len(todo))
+            for window in self._windows(todo):
+                if self.cache is not None:
+                    window = self._respond(window)
+                window.sort(key=lambda s: -s.num_tokens)
+                lengths = [s.num_tokens for s in window]
+                start = 0
+                while start < len(window):
+                    end = take_batch(lengths, start, self.batch_tokens)
+                    yield pass_index, window[start:end]
+                    start = end
+            yield pass_index, None
+
+    def _windows(self, samples: list[PreparedSample]) -> Iterator[list[PreparedSample]]:
+        limit = WINDOW_SEGMENTS * int(self.cfg.store.segment_bytes)
+        expected_response = self.cfg.data.generation.max_new_tokens if self.cache is not None else 0
+        window, size = [], 0
+        for sample in samples:
+            window.append(sample)
+            size += (sample.num_tokens + expected_response) * self.bytes_per_token
+            if size >= limit:
+                yield window
+                window, size = [], 0
+        if window:
+            yield window
+
+    def _respond(self, prompts: list[PreparedSample]) -> list[PreparedSample]:
+        """Prompts completed with the target's own (cached or newly generated) responses; short ones dropped."""
+        gen, max_length = self.cfg.data.generation, self.cfg.data.max_length
+        missing = sorted((s for s in prompts if self.cache.get(s.sample_id) is None), key=lambda s: s.num_tokens)
+        for first in range(0, len(missing), gen.batch_size):
+            chunk = missing[first : first + gen.batch_size]
+            budget = min(gen.max_new_tokens, max_length - chunk[0].num_tokens)
+            responses = generate_responses(self.model, self.tokenizer, [s.input_ids for s in chunk], gen, budget)
+            self.cache.add({s.sample_id: r for s, r in zip(chunk, responses, strict=True)})
+        complete = []
+        for prompt in prompts:
+            sample = prompt.with_response(self.cache.get(prompt.sample_id), max_length)
+            if int(sample.loss_mask.sum()) < self.cfg.min_supervised_tokens:
+                self._dropped[sample.sample_id] = ("short_response", sample.origin)
+                self._advance(1)
+            else:
+                complete.append(sample)
+        return complete
+
+    # -- bookkeeping ----------------------------------------------------------------------------------------
+
+    def _advance(self, samples: int) -> None:
+        elapsed = self.extract_seconds + time.perf_counter() - self._run_started
+        self._bar.update(samples)
+        self._bar.set_postfix_str(f"{self._forwarded_tokens / max(elapsed, 1e-9):,.0f} tok/s", refresh=False)
+
+    def _on_segment(self, samples: list[Sample]) -> None:
+        """Called by the sink after each segment is published."""
+        self.samples_written += len(samples)
+        self.tokens_written += sum(len(s.input_ids) for s in samples)
+        elapsed = self.extract_seconds + time.perf_counter() - self._run_started
+        self.metrics.log(
+            "extract", samples=self.samples_written, tokens=self.tokens_written, samples_total=self.samples_total,
+            tok_s=round(self.tokens_written / max(elapsed, 1e-9), 1),
+            backpressure_s=round(self.backpressure_seconds, 3),
+        )
+
+    def _finish_report(self) -> None:
+        """With regeneration, the samples whose response was too short leave the report's kept ids."""
+        if self._dropped:
+            for reason, origin in self._dropped.values():
+                self.report.skip(reason, origin)
+            self.report.sample_ids = [i for i in self.report.sample_ids if i not in self._dropped]
+            self.report.write(self.cfg.output_dir)
+            log.info("after regeneration: %s", self.report.summary())
+
+
+def extract_command(args: argparse.Namespace) -> int:
+    cfg = load_config(args.config, args.overrides)
+    role = assign_uniform("extractor")
+    setup_logging("extractor", role.index, show_bar=role.speaks_for_role)
+    device = resolve_device(cfg.target)
+    layer_ids, hidden_size = store_layout(cfg)
+    store = open_store(cfg, layer_ids, hidden_size)
+    if role.index == 0:
+        store.set_expected_writers(role.count)
+        Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
+        (Path(cfg.output_dir) / "config.yaml").write_text(dump_config(cfg))
+    metrics = MetricsWriter(cfg.output_dir, "extractor", role.index)
+    metrics.log("start", config=cfg.model_dump(mode="json"))
+    extractor = Extractor(cfg, role, store, metrics, device)
+    extractor.run()
+    summary = extractor.summary()
+    metrics.log("end", summary=summary)
+    metrics.close()
+    log.info("extracted %d samples, %d tokens in %.1f s (%.0f tok/s, %.1f s waiting on the store)",
+             summary["samples"], summary["tokens"], summary["extract_seconds"], summary["tok_s"],
+             summary["backpressure_seconds"])
+    return 0
 
 
 def register(sub) -> None:
-    pass
+    parser = sub.add_parser("extract", help="extract hidden states into the store (every process of the launch)")
+    parser.add_argument("--config", required=True, help="run config (YAML); --section.key=value overrides follow")
+    parser.set_defaults(func=extract_command, overrides=[])

@@ -1,5 +1,611 @@
-"""Placeholder: replaced by the part's owner."""
+"""The trainer loop and `dflash-stream train`: consume READY segments, train the DFlash drafter, checkpoint,
+and only then release what the checkpoint records (the store's exactly-once invariant).
+
+Every trainer rank claims its own segments (consumer id `trainer-<index>`), so ranks run out of data at
+different times. To keep collectives in lockstep, every step all ranks all-reduce one small vector (flags and
+loss statistics) and the flattened gradients; a rank without a batch contributes zeros, and training stops only
+when every rank is at end of data. Gradients are summed as `sum(w * CE)` and divided by the global `sum(w)`, so
+the update is the exact decay-weighted mean over all the tokens every rank trained in the step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file
+
+from dflash_stream.config import Config, load_config
+from dflash_stream.errors import DFlashError
+from dflash_stream.log import get_logger, progress
+from dflash_stream.observe.metrics import MetricsWriter
+from dflash_stream.pipeline import checkpoint as ckpt
+from dflash_stream.pipeline.batches import Member, SegmentFeed, TokenBatcher, collate
+from dflash_stream.pipeline.roles import RoleInfo
+
+if TYPE_CHECKING:
+    from dflash_stream.drafter import LossOutput
+    from dflash_stream.store import Claim, SegmentConsumer, Store
+
+log = get_logger(__name__)
+
+WAIT_POLL_SECONDS = 2.0
+"""How long a starved rank blocks on the store before the ranks compare notes again."""
 
 
-def register(sub) -> None:
-    pass
+class WarmupCosine:
+    """LR multiplier for LambdaLR: linear warmup, then cosine decay to zero.
+
+    An object rather than a closure so that LambdaLR's state_dict records `total_steps`, which is revised as
+    the data become known. Past the end the multiplier stays at zero instead of climbing back up the cosine.
+    """
+
+    def __init__(self, total_steps: int, warmup_ratio: float) -> None:
+        self.total_steps = max(1, total_steps)
+        self.warmup_ratio = warmup_ratio
+
+    def __call__(self, step: int) -> float:
+        warmup = round(self.total_steps * self.warmup_ratio)
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, self.total_steps - warmup))
+        return 0.5 * (1 + math.cos(math.pi * progress))
+
+
+@dataclass
+class SegmentUse:
+    """One claimed use of a segment and how far training got through it."""
+
+    claim: Claim
+    remaining: set[int]
+    trained: list[int] = field(default_factory=list)
+    since_checkpoint: list[int] = field(default_factory=list)
+
+    @property
+    def done(self) -> bool:
+        return not self.remaining
+
+
+def claim_from_record(record: dict[str, Any]) -> Claim:
+    from dflash_stream.store import Claim
+
+    return Claim(**{**record, "sample_ids": tuple(record["sample_ids"])})
+
+
+def use_bf16(cfg: Config, device: torch.device) -> bool:
+    """train.mixed_precision: `auto` is bf16 autocast on CUDA and full precision elsewhere."""
+    return cfg.train.mixed_precision == "bf16" or (cfg.train.mixed_precision == "auto" and device.type == "cuda")
+
+
+class Trainer:
+    """Trains the drafter on the store's segments; `run()` may be called repeatedly (single-process mode)."""
+
+    def __init__(self, cfg: Config, role: RoleInfo, store: Store, metrics: MetricsWriter, device: torch.device) -> None:
+        from dflash_stream.drafter import DFlashDrafter, DrafterSpec, build_spec, load_target_head
+        from dflash_stream.target import load_target_config, resolve_layer_ids
+
+        self.cfg, self.store, self.metrics, self.device = cfg, store, metrics, device
+        self.output = Path(cfg.output_dir)
+        self.index = role.index
+        self.group = role.trainer_group
+        self.trainers = role.count if self.group is not None else 1
+        tc = cfg.train
+
+        resume = ckpt.latest_checkpoint(self.output)
+        if resume is not None:
+            self.spec = DrafterSpec(**json.loads((resume / "drafter_spec.json").read_text()))
+        else:
+            target_config = load_target_config(cfg.target)
+            layer_ids = resolve_layer_ids(target_config.num_hidden_layers, cfg.target)
+            self.spec = build_spec(cfg, target_config, layer_ids)
+        self.drafter = DFlashDrafter(self.spec, attention=cfg.drafter.attention).to(device)
+        self.bf16 = use_bf16(cfg, device)
+        self.head = load_target_head(cfg.target, device, torch.bfloat16 if self.bf16 else torch.float32)
+
+        decay = [p for p in self.drafter.parameters() if p.ndim >= 2]
+        no_decay = [p for p in self.drafter.parameters() if p.ndim < 2]
+        self.optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": tc.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=tc.lr,
+        )
+        # Without train.total_steps the length is estimated once data exist (see `_revise_schedule`).
+        self.schedule = WarmupCosine(tc.total_steps or 1, tc.warmup_ratio)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self.schedule)
+        self.generator = torch.Generator(device=device).manual_seed(tc.seed * 1_000_003 + self.index)
+
+        self.batcher = TokenBatcher(tc.batch_tokens)
+        self.uses: dict[str, SegmentUse] = {}
+        self.steps = 0
+        self.samples_trained = 0
+        self.tokens_trained = 0
+        self.final_loss: float | None = None
+        self.train_seconds = 0.0
+        self.latest_checkpoint: Path | None = None
+        self.data_wait_seconds = 0.0
+        self._last_checkpoint_step = 0
+        self._stop_signal: int | None = None
+        self._starved_since: float | None = None
+        self._window = _Window(self.spec.block_size)
+
+        self.consumer = self._resume(resume)
+        from dflash_stream.store import SegmentReader
+
+        self.reader = SegmentReader(self.consumer, prefetch=2)
+        self.feed = SegmentFeed(self.reader)
+        self.bar = progress(total=self.schedule.total_steps, initial=self.steps, desc="train", unit="step")
+
+    # ---------------------------------------------------------------- resume
+
+    def _resume(self, path: Path | None) -> SegmentConsumer:
+        """Restore model, optimizer, RNG and data position from checkpoint `path`; open this rank's consumer
+        keeping the claims that checkpoint recorded, release the ones it had finished, requeue the rest."""
+        step = ckpt.checkpoint_step(path)
+        dropped = ckpt.drop_ledger_after(self.output, self.index, step)
+        if dropped:
+            log.info("dropped %d ledger file(s) of an unfinished checkpoint after step %d", len(dropped), step)
+        consumer_id = f"trainer-{self.index}"
+        if path is None:
+            return self.store.consumer(consumer_id)
+
+        self.drafter.load_state_dict(load_file(path / "model.safetensors", device=str(self.device)))
+        state = ckpt.load_torch(path / "trainer_state.pt")
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.steps = self._last_checkpoint_step = state["step"]
+        self.tokens_trained = state["tokens"]
+        parts = sorted(p.name for p in path.glob("trainer-*.pt"))
+        if len(parts) != self.trainers:
+            raise DFlashError(
+                f"checkpoint {path} was written by {len(parts)} trainer(s) but this launch has {self.trainers}; "
+                "resume with the same number of trainers (roles.trainers)"
+            )
+        part = ckpt.load_torch(path / f"trainer-{self.index}.pt")
+        self.generator.set_state(part["generator"])
+        torch.set_rng_state(part["torch_rng"])
+        if self.device.type == "cuda" and "cuda_rng" in part:
+            torch.cuda.set_rng_state(part["cuda_rng"], self.device)
+        self.samples_trained = part["samples_trained"]
+        self.latest_checkpoint = path
+
+        finished = [claim_from_record(r) for r in part["finished"]]
+        partial = [(claim_from_record(r["claim"]), r["trained"]) for r in part["partial"]]
+        from dflash_stream.store import StoreError
+
+        half_done = [claim.segment_id for claim, _ in partial]
+        consumer = self.store.consumer(consumer_id, keep=[c.segment_id for c in finished] + half_done)
+        released = 0
+        for claim in finished:
+            # Trained and recorded, so never retrained. The crash may have come before their release, or
+            # after it (then the store no longer holds this use for us, and says so).
+            try:
+                consumer.release([claim])
+                released += 1
+            except StoreError:
+                continue
+        if released:
+            log.info("released %d segment use(s) finished before the restart", released)
+        # `keep` matches segment ids, so it also kept any later use of a finished segment that we had claimed
+        # after releasing it; that use was not trained and goes back to READY now.
+        consumer = self.store.consumer(consumer_id, keep=half_done)
+        for claim, trained in partial:
+            done = set(trained)
+            use = SegmentUse(claim, set(claim.sample_ids) - done, list(trained))
+            self.uses[claim.segment_id] = use
+            samples = [s for s in consumer.read(claim) if s.sample_id not in done]
+            self.batcher.add(claim.segment_id, samples)
+        log.info(
+            "resumed from %s: step %d, %d half-trained segment(s) re-claimed", path, self.steps, len(partial)
+        )
+        return consumer
+
+    # ---------------------------------------------------------------- data
+
+    def _estimate_total_steps(self) -> int:
+        """Schedule length: the tokens of the whole data (samples the extractors' data reports kept, at the mean
+        length of the stored ones; else what the store holds now) times the uses of each sample, over the
+        tokens a step has taken so far (before any step: the full token budget of a step)."""
+        status = self.store.status()
+        tokens = status["tokens"]
+        expected = 0
+        for report in (self.output / "data").glob("report-*.json"):
+            expected += json.loads(report.read_text())["kept"]
+        if expected and status["samples"]:
+            tokens = expected * status["tokens"] / status["samples"]
+        total_tokens = tokens * self.cfg.store.reuse * self.cfg.extraction_passes
+        per_step = (self.tokens_trained / self.steps if self.steps
+                    else self.cfg.train.batch_tokens * self.cfg.train.grad_accum * self.trainers)
+        return max(self.steps + 1, math.ceil(total_tokens / per_step))
+
+    def _revise_schedule(self) -> None:
+        """Re-estimate the schedule length as the data become known (never when train.total_steps is set).
+        Collective: the ranks take the largest estimate, so that they all step with the same learning rate."""
+        if self.cfg.train.total_steps is not None:
+            return
+        estimate = torch.tensor([self._estimate_total_steps()], dtype=torch.float64, device=self.device)
+        if self.group is not None:
+            dist.all_reduce(estimate, op=dist.ReduceOp.MAX, group=self.group)
+        self.schedule.total_steps = int(estimate.item())
+        for group, base in zip(self.optimizer.param_groups, self.scheduler.base_lrs, strict=True):
+            group["lr"] = base * self.schedule(self.scheduler.last_epoch)
+        self.bar.total = max(self.schedule.total_steps, self.steps)
+
+    def _take_segment(self, timeout: float | None) -> bool:
+        """Queue the next decoded segment; False when none came within `timeout` (or at end of data)."""
+        item = self.feed.get(timeout)
+        if item is None:
+            return False
+        claim, samples = item
+        self.uses[claim.segment_id] = SegmentUse(claim, {s.sample_id for s in samples})
+        self.batcher.add(claim.segment_id, samples)
+        return True
+
+    def _next_members(self) -> list[Member]:
+        """A batch from what is queued or already decoded; never waits for the store."""
+        while not self.batcher.full_batch_ready() and self._take_segment(timeout=0):
+            pass
+        return self.batcher.next_batch()
+
+    def _exhausted(self) -> bool:
+        return len(self.batcher) == 0 and self.feed.exhausted
+
+    def _store_idle(self) -> bool:
+        """Nothing READY in the store, and no claim on its way to us through the reader (single process:
+        every claim in the store is ours)."""
+        segments = self.store.status()["segments"]
+        return segments["ready"] == 0 and segments["claimed"] <= len(self.uses)
+
+    def _holding_finished(self) -> bool:
+        return any(use.done for use in self.uses.values())
+
+    # ---------------------------------------------------------------- one step
+
+    def _accumulate(self) -> tuple[int, int]:
+        """Forward/backward up to grad_accum micro-batches; (micro-batches, tokens) this rank trained."""
+        from dflash_stream.drafter import dflash_loss
+
+        micro, tokens = 0, 0
+        for _ in range(self.cfg.train.grad_accum):
+            members = self._next_members()
+            if not members:
+                break
+            batch = collate(members, self.device)
+            with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
+                out = dflash_loss(
+                    self.drafter, self.head, batch,
+                    num_anchors=self.cfg.train.num_anchors, gamma=self.cfg.train.gamma, generator=self.generator,
+                )
+            # Backpropagate the weighted sum; the step divides by the global weight (see module docstring).
+            (out.loss * out.weight).backward()
+            self._window.add(out)
+            for member in members:
+                use = self.uses[member.segment_id]
+                use.remaining.discard(member.sample.sample_id)
+                use.trained.append(member.sample.sample_id)
+                use.since_checkpoint.append(member.sample.sample_id)
+                self._window.epoch = max(self._window.epoch, use.claim.epoch)
+            micro += 1
+            tokens += int(batch["lengths"].sum())
+            self.samples_trained += len(members)
+        return micro, tokens
+
+    def _all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.group is not None:
+            dist.all_reduce(tensor, group=self.group)
+        return tensor
+
+    def _sync(self, micro: int, tokens: int) -> dict[str, Any]:
+        """One all-reduce of flags and statistics; every rank takes the same decisions from its result."""
+        exhausted, holding = self._exhausted(), self._holding_finished()
+        flags = [
+            micro > 0,
+            self._stop_signal is not None,
+            self.consumer.writers_waiting(),
+            exhausted,
+            holding,
+            micro == 0 and not exhausted,
+            tokens,
+        ]
+        vec = torch.tensor(flags + self._window.pending(), dtype=torch.float64, device=self.device)
+        vec = self._all_reduce(vec).tolist()
+        self._window.absorb(vec[len(flags):])
+        trained, stop, waiting, exhausted_ranks, holding, starved, tokens = vec[: len(flags)]
+        return {
+            "trained": trained > 0, "stop": stop > 0, "writers_waiting": waiting > 0,
+            "all_exhausted": exhausted_ranks == self.trainers, "holding": holding > 0, "starved": starved > 0,
+            "tokens": int(tokens),
+        }
+
+    def _optimizer_step(self) -> None:
+        params = [p for p in self.drafter.parameters() if p.requires_grad]
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        flat = self._all_reduce(torch.cat([g.reshape(-1).float() for g in grads]))
+        weight = max(self._window.step_weight, 1e-12)
+        offset = 0
+        for p in params:
+            n = p.numel()
+            p.grad = flat[offset:offset + n].view_as(p).to(p.dtype) / weight
+            offset += n
+        torch.nn.utils.clip_grad_norm_(params, self.cfg.train.grad_clip)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.steps += 1
+
+    # ---------------------------------------------------------------- checkpoint
+
+    def _checkpoint(self, reason: str) -> None:
+        """Write checkpoint step-N (collective over the trainers), then release the segment uses it records
+        as finished. A no-op when nothing was trained since the last one."""
+        if self.steps == self._last_checkpoint_step:
+            return
+        if self.index == 0:
+            ckpt.begin(self.output, self.steps)
+        self._barrier()
+        staging = ckpt.staging_dir(self.output, self.steps)
+        finished = [u for u in self.uses.values() if u.done]
+        partial = [u for u in self.uses.values() if u.trained and not u.done]
+        ckpt.write_ledger(self.output, self.index, self.steps, [
+            {"segment": u.claim.segment_id, "epoch": u.claim.epoch, "sample_ids": u.since_checkpoint}
+            for u in self.uses.values() if u.since_checkpoint
+        ])
+        part = {
+            "finished": [asdict(u.claim) for u in finished],
+            "partial": [{"claim": asdict(u.claim), "trained": u.trained} for u in partial],
+            "generator": self.generator.get_state(),
+            "torch_rng": torch.get_rng_state(),
+            "samples_trained": self.samples_trained,
+        }
+        if self.device.type == "cuda":
+            part["cuda_rng"] = torch.cuda.get_rng_state(self.device)
+        ckpt.save_torch(part, staging / f"trainer-{self.index}.pt")
+        if self.index == 0:
+            from dflash_stream.drafter import save_checkpoint_drafter
+
+            save_checkpoint_drafter(self.drafter, self.spec, staging)
+            ckpt.save_torch({
+                "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+                "step": self.steps, "tokens": self.tokens_trained,
+            }, staging / "trainer_state.pt")
+        self._barrier()
+        if self.index == 0:
+            ckpt.publish(self.output, self.steps)
+        self._barrier()
+        # Durable now: what it records as finished may leave the store.
+        path = ckpt.checkpoints_dir(self.output) / f"step-{self.steps}"
+        if finished:
+            self.consumer.release([u.claim for u in finished])
+        for use in finished:
+            del self.uses[use.claim.segment_id]
+        for use in self.uses.values():
+            use.since_checkpoint = []
+        self._last_checkpoint_step = self.steps
+        self.latest_checkpoint = path
+        self._revise_schedule()
+        log.info("checkpoint step-%d (%s); released %d segment use(s)", self.steps, reason, len(finished))
+        self.metrics.log("checkpoint", step=self.steps, path=str(path), released=len(finished))
+
+    def _barrier(self) -> None:
+        if self.group is not None:
+            dist.barrier(group=self.group)
+
+    # ---------------------------------------------------------------- loop
+
+    @contextmanager
+    def _signals(self) -> Iterator[None]:
+        """SIGTERM/SIGINT finish the current step, checkpoint, and return (main thread only)."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+
+        def request_stop(signum: int, _frame: Any) -> None:
+            self._stop_signal = signum
+
+        previous = {s: signal.signal(s, request_stop) for s in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            yield
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+
+    @property
+    def stopped_by(self) -> str | None:
+        return None if self._stop_signal is None else signal.Signals(self._stop_signal).name
+
+    def _max_steps_reached(self) -> bool:
+        return self.cfg.train.max_steps is not None and self.steps >= self.cfg.train.max_steps
+
+    def run(self, until_idle: bool = False) -> bool:
+        """Train until end of data (True: everything consumed, final checkpoint durable, all released) or
+        train.max_steps (True as well: training is over). False after a stop signal (checkpointed), or with
+        `until_idle` once no decoded or READY segment is left (checkpointed and released, never blocking)."""
+        every = self.cfg.train.checkpoint_every
+        self._revise_schedule()
+        with self._signals():
+            while True:
+                if self._max_steps_reached():
+                    self._checkpoint("train.max_steps reached")
+                    return True
+                started = time.perf_counter()
+                micro, tokens = self._accumulate()
+                flags = self._sync(micro, tokens)
+                if flags["trained"]:
+                    self._optimizer_step()
+                    self.tokens_trained += flags["tokens"]
+                    self.train_seconds += time.perf_counter() - started
+                    self._window.step_done(flags["tokens"])
+                    self._report()
+                if flags["all_exhausted"]:
+                    self._checkpoint("end of data")
+                    self._flush_report()
+                    return True
+                if flags["stop"]:
+                    self._checkpoint(f"stop requested by {self.stopped_by or 'another trainer'}")
+                    return False
+                # The deadlock rule: finished segments a checkpoint would free must not sit unreleased while
+                # extractors wait for space, or while a trainer waits for data (their next use may be it).
+                if flags["holding"] and flags["writers_waiting"]:
+                    self._checkpoint("extractors are blocked on the full buffer")
+                elif flags["holding"] and flags["starved"]:
+                    self._checkpoint("a trainer ran out of ready data")
+                elif flags["trained"] and self.steps % every == 0:
+                    self._checkpoint(f"every {every} steps")
+                if not flags["trained"]:
+                    if until_idle and self._store_idle():
+                        self._checkpoint("no ready segment left")
+                        return False
+                    self._wait_for_data()
+                else:
+                    self._starved_since = None
+
+    def _wait_for_data(self) -> None:
+        """Block a little for the next segment (the ranks then compare notes again); say so once per wait."""
+        if self._exhausted():
+            time.sleep(0.05)  # only the other ranks are still training; wait for their next step
+            return
+        if self._starved_since is None:
+            self._starved_since = time.perf_counter()
+            log.info("waiting for data: no segment is ready (store: %s)", self.store.status()["segments"])
+        started = time.perf_counter()
+        self._take_segment(timeout=WAIT_POLL_SECONDS)
+        self.data_wait_seconds += time.perf_counter() - started
+
+    # ---------------------------------------------------------------- logging
+
+    def _report(self) -> None:
+        self.bar.update(1)
+        if self.steps % self.cfg.train.log_every == 0:
+            self._flush_report()
+
+    def _flush_report(self) -> None:
+        stats = self._window.flush()
+        if stats is None:
+            return
+        from dflash_stream.drafter import expected_acceptance
+
+        self.final_loss = stats["loss"]
+        tau = expected_acceptance(stats["acc"])
+        lr = self.scheduler.get_last_lr()[0]
+        tok_s = stats["tokens"] / max(stats["seconds"], 1e-9)
+        self.bar.set_postfix(loss=f"{stats['loss']:.3f}", tau=f"{tau:.2f}", tok_s=f"{tok_s:.0f}",
+                             wait=f"{self.data_wait_seconds:.0f}s")
+        self.metrics.log(
+            "train", step=self.steps, loss=stats["loss"], acc=stats["acc"], tau=tau, lr=lr,
+            tokens=self.tokens_trained, tok_s=tok_s, data_wait_s=self.data_wait_seconds, epoch=stats["epoch"],
+        )
+
+    # ---------------------------------------------------------------- export
+
+    def export(self, out_dir: str | Path) -> Path:
+        """The drafter as it is now, in z-lab format (config.json + model.safetensors)."""
+        from dflash_stream.drafter import export_drafter
+
+        return export_drafter(self.drafter, self.spec, Path(out_dir))
+
+    def close(self) -> None:
+        self.bar.close()
+        self.reader.close()
+
+
+class _Window:
+    """Loss and per-slot accuracy since the last log line, summed over micro-batches and (once synced) ranks."""
+
+    def __init__(self, block_size: int) -> None:
+        self.slots = block_size - 1
+        self._local = [0.0] * (2 + 2 * self.slots)
+        self._total = [0.0] * (2 + 2 * self.slots)
+        self.step_weight = 0.0
+        self.tokens = 0
+        self.epoch = 0
+        self._since = time.perf_counter()
+
+    def add(self, out: LossOutput) -> None:
+        w = float(out.weight)
+        values = [float(out.loss.detach()) * w, w, *out.correct.tolist(), *out.count.tolist()]
+        self._local = [a + b for a, b in zip(self._local, values, strict=True)]
+
+    def pending(self) -> list[float]:
+        """This rank's statistics of the current step, for the all-reduce."""
+        local, self._local = self._local, [0.0] * len(self._local)
+        return local
+
+    def absorb(self, synced: list[float]) -> None:
+        self.step_weight = synced[1]
+        self._total = [a + b for a, b in zip(self._total, synced, strict=True)]
+
+    def step_done(self, tokens: int) -> None:
+        self.tokens += tokens
+
+    def flush(self) -> dict[str, Any] | None:
+        loss_sum, weight = self._total[:2]
+        if weight == 0:
+            return None
+        correct, count = self._total[2:2 + self.slots], self._total[2 + self.slots:]
+        stats = {
+            "loss": loss_sum / weight,
+            "acc": [c / n if n else 0.0 for c, n in zip(correct, count, strict=True)],
+            "tokens": self.tokens,
+            "seconds": time.perf_counter() - self._since,
+            "epoch": self.epoch,
+        }
+        self._total = [0.0] * len(self._total)
+        self.tokens = 0
+        self._since = time.perf_counter()
+        return stats
+
+
+# -------------------------------------------------------------------- command
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    parser = sub.add_parser("train", help="train the drafter from an existing store (waits for segments)")
+    parser.add_argument("--config", required=True, help="run config (YAML)")
+    parser.set_defaults(func=train_command, overrides=[])
+
+
+def train_command(args: argparse.Namespace) -> int:
+    from dflash_stream.log import setup_logging
+    from dflash_stream.pipeline.common import open_store, store_layout
+    from dflash_stream.pipeline.roles import assign_uniform, init_distributed
+    from dflash_stream.store import StoreError
+
+    cfg = load_config(args.config, args.overrides)
+    role = assign_uniform("trainer")
+    setup_logging("trainer", role.index, show_bar=role.speaks_for_role)
+    device = init_distributed() if cfg.target.device == "auto" else torch.device(cfg.target.device)
+    layer_ids, hidden_size = store_layout(cfg)
+    try:
+        store = open_store(cfg, layer_ids, hidden_size, create=False)
+    except StoreError as err:
+        raise DFlashError(str(err)) from None
+    metrics = MetricsWriter(cfg.output_dir, "trainer", role.index)
+    metrics.log("start", config=cfg.model_dump(mode="json"))
+    trainer = Trainer(cfg, role, store, metrics, device)
+    try:
+        finished = trainer.run()
+        summary = {
+            "steps": trainer.steps, "samples_trained": trainer.samples_trained, "final_loss": trainer.final_loss,
+            "train_seconds": round(trainer.train_seconds, 2), "data_wait_seconds": round(trainer.data_wait_seconds, 2),
+            "checkpoint": str(trainer.latest_checkpoint) if trainer.latest_checkpoint else None,
+        }
+        if finished and role.index == 0:
+            summary["export"] = str(trainer.export(Path(cfg.output_dir) / "drafter"))
+        metrics.log("end", summary=summary)
+        log.info("training %s: %s", "finished" if finished else "stopped", json.dumps(summary))
+    finally:
+        trainer.close()
+        metrics.close()
+    if finished:
+        return 0
+    # Stopped by a signal (here or on another trainer): exit the way a shell reports death by it.
+    return 128 + int(signal.Signals[trainer.stopped_by or "SIGTERM"])

@@ -1,6 +1,16 @@
-"""The target model: where it lives, which layers are read, and (extraction) how they are captured."""
+"""The target model: where it lives, which layers are read, and how they are captured (hooks + early stop)."""
 
 from dflash_stream.target.layers import dflash_layer_ids, resolve_layer_ids
-from dflash_stream.target.loading import load_target_config, model_location
+from dflash_stream.target.loading import (
+    load_target,
+    load_target_config,
+    model_location,
+    resolve_device,
+    resolve_dtype,
+    text_config,
+)
 
-__all__ = ["dflash_layer_ids", "load_target_config", "model_location", "resolve_layer_ids"]
+__all__ = [
+    "dflash_layer_ids", "load_target", "load_target_config", "model_location", "resolve_device",
+    "resolve_dtype", "resolve_layer_ids", "text_config",
+]

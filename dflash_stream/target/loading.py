@@ -1,12 +1,16 @@
-"""Where the target lives and what shape it has, without loading its weights."""
+"""Where the target lives, what shape it has, and loading it (torch is imported only when needed)."""
 
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dflash_stream.config import ConfigError, TargetConfig
+
+if TYPE_CHECKING:
+    import torch
 
 
 def model_location(target: TargetConfig) -> tuple[str, dict[str, Any]]:
@@ -37,3 +41,47 @@ def load_target_config(target: TargetConfig):
         return AutoConfig.from_pretrained(location, **kwargs)
     except OSError as err:
         raise ConfigError(f"target.model: cannot read a model config from '{target.model}': {err}") from None
+
+
+def resolve_device(target: TargetConfig) -> torch.device:
+    """`target.device`, with auto = this process's GPU under a launcher (LOCAL_RANK), else MPS, else CPU."""
+    import torch
+
+    if target.device != "auto":
+        return torch.device(target.device)
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    if torch.backends.mps.is_available():
+        return torch.device("mps")
+    return torch.device("cpu")
+
+
+def resolve_dtype(target: TargetConfig, device: torch.device) -> torch.dtype:
+    """auto = bf16 on accelerators; float32 on CPU, where bf16 matmuls are slow without AMX."""
+    import torch
+
+    if target.dtype == "auto":
+        return torch.float32 if device.type == "cpu" else torch.bfloat16
+    return getattr(torch, target.dtype)
+
+
+def load_target(target: TargetConfig, device: torch.device):
+    """(model, tokenizer) of the target, in eval mode on `device`, frozen."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    location, kwargs = model_location(target)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(location, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(location, dtype=resolve_dtype(target, device), **kwargs)
+    except OSError as err:
+        raise ConfigError(f"target.model: cannot load '{target.model}': {str(err).splitlines()[0]}") from None
+    if tokenizer.pad_token_id is None:
+        # Padding positions are masked out; any id will do, and eos always exists.
+        tokenizer.pad_token = tokenizer.eos_token
+    model.to(device).eval().requires_grad_(False)
+    return model, tokenizer
+
+
+def text_config(model):
+    """The language model's config (multimodal targets nest it)."""
+    return model.config.get_text_config()

@@ -1,0 +1,60 @@
+"""What the data stage kept and skipped, by reason, so that no row disappears silently."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+EXAMPLES_PER_REASON = 5
+
+
+@dataclass
+class DataReport:
+    shard_index: int
+    shard_count: int
+    rows: int = 0
+    """Row copies this shard considered."""
+    truncated: int = 0
+    """Kept samples cut to data.max_length."""
+    skipped: Counter = field(default_factory=Counter)
+    examples: dict[str, list[str]] = field(default_factory=dict)
+    """A few `source#row` labels per skip reason, to find the offending rows."""
+    sample_ids: list[int] = field(default_factory=list)
+    """Kept sample ids in extraction order."""
+
+    @property
+    def kept(self) -> int:
+        return len(self.sample_ids)
+
+    def skip(self, reason: str, origin: str) -> None:
+        self.skipped[reason] += 1
+        seen = self.examples.setdefault(reason, [])
+        if len(seen) < EXAMPLES_PER_REASON:
+            seen.append(origin)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "shard_index": self.shard_index, "shard_count": self.shard_count, "rows": self.rows,
+            "kept": self.kept, "truncated": self.truncated,
+            "skipped": dict(sorted(self.skipped.items())), "examples": self.examples,
+            "sample_ids": self.sample_ids,
+        }
+
+    def write(self, output_dir: str | Path) -> Path:
+        """OUTPUT/data/report-<shard>.json, replaced atomically (the audit reads it)."""
+        path = Path(output_dir) / "data" / f"report-{self.shard_index}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(self.to_dict()))
+        tmp.replace(path)
+        return path
+
+    def summary(self) -> str:
+        skipped = ", ".join(f"{reason} {n} (e.g. {', '.join(self.examples[reason][:3])})"
+                            for reason, n in sorted(self.skipped.items()))
+        return (f"data shard {self.shard_index}/{self.shard_count}: {self.rows} rows, {self.kept} kept "
+                f"({self.truncated} truncated), {sum(self.skipped.values())} skipped"
+                + (f": {skipped}" if skipped else ""))

@@ -1,0 +1,124 @@
+"""Drafter files: the z-lab export that vLLM and SGLang load, and the two files a trainer checkpoint holds."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import Tensor
+
+from dflash_stream.drafter.model import DFlashDrafter
+from dflash_stream.drafter.spec import DrafterSpec
+
+WEIGHTS = "model.safetensors"
+SPEC = "drafter_spec.json"
+CONFIG = "config.json"
+
+
+def drafter_state(drafter: DFlashDrafter) -> dict[str, Tensor]:
+    """The drafter's weights under the z-lab names (`layers.N...`, `fc`, `hidden_norm`, `norm`)."""
+    return {name: t.detach().contiguous() for name, t in drafter.state_dict().items()}
+
+
+def _str_dtype(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def zlab_config(spec: DrafterSpec, dtype: torch.dtype = torch.bfloat16) -> dict[str, Any]:
+    """`config.json` of a z-lab DFlash checkpoint: a Qwen3 config plus the DFlash fields."""
+    return {
+        "architectures": ["DFlashDraftModel"],
+        "model_type": "qwen3",
+        "hidden_size": spec.hidden_size,
+        "intermediate_size": spec.intermediate_size,
+        "num_hidden_layers": spec.num_layers,
+        "num_attention_heads": spec.num_attention_heads,
+        "num_key_value_heads": spec.num_key_value_heads,
+        "head_dim": spec.head_dim,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "rms_norm_eps": spec.rms_norm_eps,
+        "rope_theta": spec.rope_theta,
+        "rope_scaling": None,
+        "max_position_embeddings": spec.max_position_embeddings,
+        "vocab_size": spec.vocab_size,
+        "tie_word_embeddings": False,
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "layer_types": ["full_attention"] * spec.num_layers,
+        "dtype": _str_dtype(dtype),
+        "block_size": spec.block_size,
+        "num_target_layers": spec.num_target_layers,
+        "dflash_config": {"mask_token_id": spec.mask_token_id, "target_layer_ids": list(spec.target_layer_ids)},
+    }
+
+
+def spec_from_zlab_config(config: dict[str, Any]) -> DrafterSpec:
+    dflash = config["dflash_config"]
+    return DrafterSpec(
+        hidden_size=config["hidden_size"],
+        intermediate_size=config["intermediate_size"],
+        num_layers=config["num_hidden_layers"],
+        num_attention_heads=config["num_attention_heads"],
+        num_key_value_heads=config["num_key_value_heads"],
+        head_dim=config["head_dim"],
+        rope_theta=config["rope_theta"],
+        rms_norm_eps=config["rms_norm_eps"],
+        vocab_size=config["vocab_size"],
+        block_size=config["block_size"],
+        mask_token_id=dflash["mask_token_id"],
+        target_layer_ids=list(dflash["target_layer_ids"]),
+        num_target_layers=config["num_target_layers"],
+        max_position_embeddings=config["max_position_embeddings"],
+    )
+
+
+def export_drafter(drafter: DFlashDrafter, spec: DrafterSpec, out_dir: str | Path) -> Path:
+    """Write `config.json` + `model.safetensors` (no embedding, no LM head) in the drafter's own dtype."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    state = drafter_state(drafter)
+    save_file(state, out / WEIGHTS, metadata={"format": "pt"})
+    dtype = next(iter(state.values())).dtype
+    (out / CONFIG).write_text(json.dumps(zlab_config(spec, dtype), indent=2) + "\n")
+    return out
+
+
+def _build(spec: DrafterSpec, weights: Path, device: torch.device | str | None) -> DFlashDrafter:
+    state = load_file(weights, device=str(device or "cpu"))
+    drafter = DFlashDrafter(spec).to(device=device, dtype=next(iter(state.values())).dtype)
+    drafter.load_state_dict(state, strict=True)
+    return drafter
+
+
+def load_drafter(path: str | Path, device: torch.device | str | None = None) -> tuple[DFlashDrafter, DrafterSpec]:
+    """Load an export written by `export_drafter` (or any z-lab DFlash checkpoint of this architecture)."""
+    path = Path(path)
+    for name in (CONFIG, WEIGHTS):
+        if not (path / name).is_file():
+            raise FileNotFoundError(f"{path} is not a drafter export: {name} is missing")
+    spec = spec_from_zlab_config(json.loads((path / CONFIG).read_text()))
+    return _build(spec, path / WEIGHTS, device), spec
+
+
+def save_checkpoint_drafter(drafter: DFlashDrafter, spec: DrafterSpec, ckpt_dir: str | Path) -> None:
+    """The drafter's part of a trainer checkpoint: `model.safetensors` + `drafter_spec.json`."""
+    ckpt = Path(ckpt_dir)
+    save_file(drafter_state(drafter), ckpt / WEIGHTS, metadata={"format": "pt"})
+    (ckpt / SPEC).write_text(json.dumps(dataclasses.asdict(spec), indent=2) + "\n")
+
+
+def load_checkpoint_drafter(
+    ckpt_dir: str | Path, device: torch.device | str | None = None
+) -> tuple[DFlashDrafter, DrafterSpec]:
+    ckpt = Path(ckpt_dir)
+    for name in (SPEC, WEIGHTS):
+        if not (ckpt / name).is_file():
+            raise FileNotFoundError(f"{ckpt} is not a trainer checkpoint: {name} is missing")
+    spec = DrafterSpec(**json.loads((ckpt / SPEC).read_text()))
+    return _build(spec, ckpt / WEIGHTS, device), spec

@@ -1,0 +1,187 @@
+"""The DFlash draft model (block diffusion drafter, arXiv 2602.06036) in one file.
+
+The drafter reads K layers of the frozen target, fused per token: `hidden_norm(fc(concat(layers)))`. Those
+context features never get a residual stream of their own: each draft layer projects them to keys/values only.
+The block being drafted is `[last token, MASK x (B-1)]`, embedded with the target's own (frozen) embedding; its
+queries attend, without a causal mask, to the context features strictly before the block and to the whole
+block. The final `norm` output goes through the target's LM head. Module names follow the z-lab checkpoints
+(`layers.N.self_attn.q_proj`, `fc`, `hidden_norm`, `norm`, ...) so exported weights load in vLLM and SGLang.
+
+Shapes: N sequences, S context positions, Q block-token queries (A blocks of B tokens in training, one block
+when decoding), H query heads, G key/value heads, Dh head width.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import cache
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+
+from dflash_stream.drafter.spec import DrafterSpec
+
+KV = tuple[Tensor, Tensor]  # keys, values of the context: [N, G, S, Dh] each
+Mask = Tensor | BlockMask | None
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class Rotary(nn.Module):
+    """RoPE at absolute positions; cos/sin are computed per call because positions differ per block."""
+
+    def __init__(self, head_dim: int, theta: float) -> None:
+        super().__init__()
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """positions [N, T] -> cos, sin [N, 1, T, Dh] (broadcast over heads)."""
+        angles = positions[..., None].float() * self.inv_freq
+        emb = torch.cat((angles, angles), dim=-1)[:, None]
+        return emb.cos(), emb.sin()
+
+
+def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    return (x * cos + rotate_half(x) * sin).to(x.dtype)
+
+
+@cache
+def _compiled_flex() -> Callable:
+    # FlexAttention is only fast (and memory-light) compiled; the eager fallback materialises the scores.
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def attend(q: Tensor, k: Tensor, v: Tensor, mask: Mask) -> Tensor:
+    if isinstance(mask, BlockMask):
+        fn = _compiled_flex() if q.is_cuda else flex_attention
+        return fn(q, k, v, block_mask=mask, enable_gqa=True)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+
+class Attention(nn.Module):
+    def __init__(self, spec: DrafterSpec) -> None:
+        super().__init__()
+        d, h, g, dh = spec.hidden_size, spec.num_attention_heads, spec.num_key_value_heads, spec.head_dim
+        self.heads, self.kv_heads, self.head_dim = h, g, dh
+        self.q_proj = nn.Linear(d, h * dh, bias=False)
+        self.k_proj = nn.Linear(d, g * dh, bias=False)
+        self.v_proj = nn.Linear(d, g * dh, bias=False)
+        self.o_proj = nn.Linear(h * dh, d, bias=False)
+        self.q_norm = nn.RMSNorm(dh, eps=spec.rms_norm_eps)
+        self.k_norm = nn.RMSNorm(dh, eps=spec.rms_norm_eps)
+
+    def kv(self, x: Tensor, cos: Tensor, sin: Tensor) -> KV:
+        """Keys and values of x [N, T, D] at the positions cos/sin encode."""
+        k = self.k_norm(self.k_proj(x).unflatten(-1, (self.kv_heads, self.head_dim))).transpose(1, 2)
+        v = self.v_proj(x).unflatten(-1, (self.kv_heads, self.head_dim)).transpose(1, 2)
+        return apply_rotary(k, cos, sin), v
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, context: KV, mask: Mask) -> Tensor:
+        q = self.q_norm(self.q_proj(x).unflatten(-1, (self.heads, self.head_dim))).transpose(1, 2)
+        q = apply_rotary(q, cos, sin)
+        k, v = self.kv(x, cos, sin)
+        k = torch.cat((context[0], k), dim=2)
+        v = torch.cat((context[1], v), dim=2)
+        return self.o_proj(attend(q, k, v, mask).transpose(1, 2).flatten(2))
+
+
+class MLP(nn.Module):
+    def __init__(self, spec: DrafterSpec) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Layer(nn.Module):
+    def __init__(self, spec: DrafterSpec) -> None:
+        super().__init__()
+        self.input_layernorm = nn.RMSNorm(spec.hidden_size, eps=spec.rms_norm_eps)
+        self.self_attn = Attention(spec)
+        self.post_attention_layernorm = nn.RMSNorm(spec.hidden_size, eps=spec.rms_norm_eps)
+        self.mlp = MLP(spec)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, context: KV, mask: Mask) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, context, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DFlashDrafter(nn.Module):
+    def __init__(self, spec: DrafterSpec, attention: str = "auto") -> None:
+        super().__init__()
+        self.spec = spec
+        self.attention = attention
+        d = spec.hidden_size
+        self.fc = nn.Linear(spec.num_context_layers * d, d, bias=False)
+        self.hidden_norm = nn.RMSNorm(d, eps=spec.rms_norm_eps)
+        self.layers = nn.ModuleList(Layer(spec) for _ in range(spec.num_layers))
+        self.norm = nn.RMSNorm(d, eps=spec.rms_norm_eps)
+        self.rotary = Rotary(spec.head_dim, spec.rope_theta)
+        self.apply(self._init_weights)
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, std=0.02)
+
+    def context_kv(self, target_states: Tensor, positions: Tensor) -> list[KV]:
+        """Per-layer keys/values of the context: target_states [N, S, K*D] at positions [N, S].
+
+        They depend on nothing but the target's states, so a decoder caches them and appends new positions.
+        """
+        feats = self.hidden_norm(self.fc(target_states.to(self.fc.weight.dtype)))
+        cos, sin = self.rotary(positions)
+        return [layer.self_attn.kv(feats, cos, sin) for layer in self.layers]
+
+    def forward(self, block_embeds: Tensor, positions: Tensor, context: list[KV], mask: Mask = None) -> Tensor:
+        """Final hidden states [N, Q, D] of the block tokens.
+
+        block_embeds [N, Q, D] (target embeddings of the block tokens), positions [N, Q] (absolute),
+        context from `context_kv`; mask over keys [context ; block]: None = everything visible (one block
+        drafted after its whole context), else from `block_mask`.
+        """
+        cos, sin = self.rotary(positions)
+        x = block_embeds.to(self.fc.weight.dtype)
+        for layer, kv in zip(self.layers, context, strict=True):
+            x = layer(x, cos, sin, kv, mask)
+        return self.norm(x)
+
+    def block_mask(self, anchors: Tensor, context_len: int) -> Mask:
+        """Training mask for A blocks per sequence (anchors [N, A]) after `context_len` context keys:
+        FlexAttention's BlockMask (attention `flex`, or `auto` on CUDA) or a dense bool mask (SDPA)."""
+        mask_mod = anchor_mask_mod(anchors, context_len, self.spec.block_size)
+        n, a = anchors.shape
+        q_len = a * self.spec.block_size
+        kv_len = context_len + q_len
+        use_flex = self.attention == "flex" or (self.attention == "auto" and anchors.is_cuda)
+        if use_flex:
+            return create_block_mask(mask_mod, n, None, q_len, kv_len, device=anchors.device)
+        dev = anchors.device
+        b = torch.arange(n, device=dev)[:, None, None, None]
+        q = torch.arange(q_len, device=dev)[None, None, :, None]
+        kv = torch.arange(kv_len, device=dev)[None, None, None, :]
+        return mask_mod(b, None, q, kv)
+
+
+def anchor_mask_mod(anchors: Tensor, context_len: int, block_size: int) -> Callable:
+    """Who a block-token query may see: context keys strictly before its block's anchor (when decoding, the
+    target has not yet run on the anchor token, so no state exists there), every token of its own block, and
+    nothing of the other blocks. Written with tensor ops only so that it serves as a
+    FlexAttention mask_mod and, evaluated on broadcast index grids, as the dense SDPA mask."""
+
+    def mask_mod(b: Tensor, h: Tensor | None, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        block = q_idx // block_size
+        before_anchor = kv_idx < anchors[b, block]
+        same_block = (kv_idx >= context_len) & ((kv_idx - context_len) // block_size == block)
+        return before_anchor | same_block
+
+    return mask_mod

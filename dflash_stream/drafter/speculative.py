@@ -1,0 +1,109 @@
+"""Greedy speculative decoding with a DFlash drafter, and the target-only greedy decoder it must reproduce.
+
+Both decoders keep the target's KV cache, so the speedup they measure compares like with like. They use the
+transformers 5 cache API (`cache=` argument, `crop(-n)` removes n entries).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Collection
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+from transformers import DynamicCache
+
+from dflash_stream.drafter.head import TargetHead
+from dflash_stream.drafter.model import KV, DFlashDrafter
+
+
+@dataclass
+class Generation:
+    tokens: list[int]
+    """New tokens (the prompt excluded), cut after the first stop token and at max_new_tokens."""
+    seconds: float
+    accepted: list[int] = field(default_factory=list)
+    """Per target verification step: how many drafted tokens the target accepted (0 .. B-1)."""
+
+    @property
+    def acceptance_length(self) -> float | None:
+        """Tokens emitted per verification step (the first token comes from the prefill, as without drafting)."""
+        return (len(self.tokens) - 1) / len(self.accepted) if self.accepted else None
+
+
+def _finish(tokens: list[int], max_new_tokens: int, stop_ids: Collection[int]) -> list[int]:
+    tokens = tokens[:max_new_tokens]
+    stop = next((i for i, t in enumerate(tokens) if t in stop_ids), None)
+    return tokens if stop is None else tokens[: stop + 1]
+
+
+@torch.inference_mode()
+def greedy_generate(target: nn.Module, input_ids: Tensor, max_new_tokens: int, stop_ids: Collection[int]) -> Generation:
+    """The target's own greedy output, one cached forward per token."""
+    start = time.perf_counter()
+    cache = DynamicCache(config=target.config)
+    out = target(input_ids, cache=cache, use_cache=True, logits_to_keep=1)
+    tok = int(out.logits[0, -1].argmax())
+    tokens = [tok]
+    while len(tokens) < max_new_tokens and tok not in stop_ids:
+        out = target(input_ids.new_tensor([[tok]]), cache=cache, use_cache=True)
+        tok = int(out.logits[0, -1].argmax())
+        tokens.append(tok)
+    return Generation(_finish(tokens, max_new_tokens, stop_ids), time.perf_counter() - start)
+
+
+def _features(hidden_states: tuple[Tensor, ...], layer_ids: list[int]) -> Tensor:
+    # Layer id i is the output of decoder layer i, i.e. hidden_states[i + 1] (index 0 is the embedding).
+    return torch.cat([hidden_states[i + 1] for i in layer_ids], dim=-1)
+
+
+def _append(context: list[KV], new: list[KV]) -> list[KV]:
+    return [(torch.cat((k, k2), dim=2), torch.cat((v, v2), dim=2)) for (k, v), (k2, v2) in zip(context, new, strict=True)]
+
+
+@torch.inference_mode()
+def speculative_generate(
+    target: nn.Module,
+    drafter: DFlashDrafter,
+    head: TargetHead,
+    input_ids: Tensor,
+    max_new_tokens: int,
+    stop_ids: Collection[int],
+) -> Generation:
+    """Greedy block drafting: the drafter proposes B-1 tokens after the last accepted one, the target checks
+    the whole block in one forward, and the longest agreeing prefix plus the target's own next token is kept.
+    The output equals `greedy_generate` token for token (up to floating-point ties)."""
+    start = time.perf_counter()
+    spec = drafter.spec
+    layer_ids = spec.target_layer_ids
+    cache = DynamicCache(config=target.config)
+    out = target(input_ids, cache=cache, use_cache=True, output_hidden_states=True, logits_to_keep=1)
+    length = input_ids.shape[1]  # tokens in the target's cache = position of the next token to feed it
+    positions = torch.arange(length, device=input_ids.device)[None]
+    context = drafter.context_kv(_features(out.hidden_states, layer_ids), positions)
+    tokens = [int(out.logits[0, -1].argmax())]
+    accepted: list[int] = []
+    offsets = torch.arange(spec.block_size, device=input_ids.device)[None]
+    while len(tokens) < max_new_tokens and tokens[-1] not in stop_ids:
+        block = input_ids.new_full((1, spec.block_size), spec.mask_token_id)
+        block[0, 0] = tokens[-1]
+        block_pos = length + offsets
+        drafted = drafter(head.embed(block), block_pos, context)
+        block[0, 1:] = head.logits(drafted[:, 1:]).argmax(-1)[0]
+
+        out = target(block, cache=cache, use_cache=True, output_hidden_states=True)
+        verdict = out.logits[0].argmax(-1)  # the target's next token after each block position
+        n = int((block[0, 1:] == verdict[:-1]).cumprod(0).sum())
+        tokens += block[0, 1 : n + 1].tolist() + [int(verdict[n])]
+        accepted.append(n)
+
+        # Keep the states of the block's first token and the accepted drafts; the rest were guesses.
+        length += n + 1
+        if n + 1 < spec.block_size:
+            cache.crop(-(spec.block_size - n - 1))
+        new_states = _features(out.hidden_states, layer_ids)[:, : n + 1]
+        context = _append(context, drafter.context_kv(new_states, block_pos[:, : n + 1]))
+        if any(t in stop_ids for t in tokens[-(n + 1) :]):
+            break
+    return Generation(_finish(tokens, max_new_tokens, stop_ids), time.perf_counter() - start, accepted)

@@ -1,0 +1,158 @@
+"""`dflash-stream report`: PNG plots of a run from its metrics (OUTPUT/report/*.png)."""
+
+from __future__ import annotations
+
+import itertools
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.figure import Figure  # noqa: E402
+
+from dflash_stream.observe.metrics import read_metrics  # noqa: E402
+
+GIB = 2**30
+PLOT_EVENTS = {"buffer": "store", "rates": "extract/train", "loss": "train", "accuracy": "train"}
+"""Each plot and the metrics events it is drawn from."""
+Events = list[dict[str, Any]]
+
+
+def _time_axis(events: Events, t0: float) -> tuple[float, str]:
+    """A divisor and label that keep the time axis in readable units for the run's length."""
+    span = max(e["time"] for e in events) - t0
+    if span < 180:
+        return 1.0, "seconds since start"
+    if span < 3 * 3600:
+        return 60.0, "minutes since start"
+    return 3600.0, "hours since start"
+
+
+def _by_rank(events: Events, name: str) -> dict[tuple[str, int], Events]:
+    out: dict[tuple[str, int], Events] = defaultdict(list)
+    for e in events:
+        if e["event"] == name:
+            out[(e["role"], e["rank"])].append(e)
+    return dict(sorted(out.items()))
+
+
+def plot_buffer(events: Events, t0: float) -> Figure | None:
+    """Bytes on disk (published + reserved) against the budget."""
+    store = [e for e in events if e["event"] == "store"]
+    if not store:
+        return None
+    div, unit = _time_axis(events, t0)
+    t = [(e["time"] - t0) / div for e in store]
+    used = [e["used_bytes"] / GIB for e in store]
+    reserved = [(e["used_bytes"] + e.get("reserved_bytes", 0)) / GIB for e in store]
+    fig, ax = plt.subplots(figsize=(9, 4.5), layout="constrained")
+    ax.plot(t, used, color="tab:blue", lw=1.8, label="published segments")
+    ax.fill_between(t, used, reserved, step=None, color="tab:orange", alpha=0.35, label="reserved by writers")
+    ax.fill_between(t, 0, used, color="tab:blue", alpha=0.15)
+    ax.plot(t, [e["budget_bytes"] / GIB for e in store], color="tab:red", ls="--", lw=1.5, label="budget")
+    ax.set(title="Ring buffer occupancy", xlabel=unit, ylabel="GiB on disk", ylim=(0, None))
+    ax.legend(loc="lower right")
+    ax.grid(alpha=0.3)
+    return fig
+
+
+def interval_rates(events: Events) -> list[float]:
+    """Tokens/s between consecutive events from the cumulative `tokens`: unlike a running average, a stall
+    shows up as a dip. A restarted rank's counter may step back; that interval counts as 0."""
+    return [max(b["tokens"] - a["tokens"], 0) / max(b["time"] - a["time"], 1e-9)
+            for a, b in itertools.pairwise(events)]
+
+
+def plot_rates(events: Events, t0: float) -> Figure | None:
+    """Producer and consumer tokens/s per rank, and the time each side spent blocked."""
+    extract, train = _by_rank(events, "extract"), _by_rank(events, "train")
+    if not extract and not train:
+        return None
+    div, unit = _time_axis(events, t0)
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 7), sharex=True, layout="constrained")
+    series = [(extract, "backpressure_s", "tab:green", "blocked on full buffer"),
+              (train, "data_wait_s", "tab:purple", "waited for data")]
+    for groups, blocked_key, color, blocked_label in series:
+        for i, ((role, rank), evs) in enumerate(groups.items()):
+            t = [(e["time"] - t0) / div for e in evs]
+            style = dict(color=color, alpha=1.0 if i == 0 else 0.6, ls="-" if i == 0 else ":")
+            top.plot(t[1:], interval_rates(evs), label=f"{role} {rank} tok/s", **style)
+            bottom.plot(t, [(e.get(blocked_key) or 0) / div for e in evs],
+                        label=f"{role} {rank}: {blocked_label}", **style)
+    top.set(title="Producer (extract) and consumer (train) throughput", ylabel="tokens / s")
+    bottom.set(title="Time blocked (cumulative)", xlabel=unit, ylabel=unit.split()[0])
+    for ax in (top, bottom):
+        # Headroom above the curves keeps the one-row legend off the data.
+        ax.set_ylim(0, max(ax.get_ylim()[1], 1e-9) * 1.3)
+        ax.legend(loc="upper left", fontsize="small", ncol=3)
+        ax.grid(alpha=0.3)
+    return fig
+
+
+def _lead_trainer(events: Events) -> Events:
+    """The lowest trainer rank's `train` events: loss and accuracies are reduced across ranks."""
+    groups = _by_rank(events, "train")
+    return min(groups.items(), key=lambda kv: kv[0][1])[1] if groups else []
+
+
+def plot_loss(events: Events) -> Figure | None:
+    """Training loss and the acceptance-length estimate tau against the step."""
+    train = _lead_trainer(events)
+    if not train:
+        return None
+    steps = [e["step"] for e in train]
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 7), sharex=True, layout="constrained")
+    top.plot(steps, [e["loss"] for e in train], color="tab:blue", lw=1.5)
+    top.set(title="Training loss", ylabel="weighted CE")
+    bottom.plot(steps, [e.get("tau") for e in train], color="tab:green", lw=1.5)
+    bottom.set(title="Acceptance length estimate tau", xlabel="step", ylabel="tokens per verification")
+    for ax in (top, bottom):
+        ax.grid(alpha=0.3)
+    return fig
+
+
+def plot_accuracy(events: Events) -> Figure | None:
+    """Per-slot draft accuracy: slot 1 (next token) on top, later slots below it."""
+    train = [e for e in _lead_trainer(events) if e.get("acc")]
+    if not train:
+        return None
+    steps = [e["step"] for e in train]
+    slots = len(train[-1]["acc"])
+    cmap = plt.get_cmap("viridis")
+    fig, ax = plt.subplots(figsize=(9, 5), layout="constrained")
+    for k in range(slots):
+        ax.plot(steps, [e["acc"][k] if k < len(e["acc"]) else None for e in train],
+                color=cmap(k / max(slots - 1, 1)), lw=1.4, label=f"slot {k + 1}")
+    ax.set(title="Per-slot accuracy (slot k predicts the token k after the anchor)", xlabel="step",
+           ylabel="accuracy", ylim=(0, 1))
+    ax.legend(ncol=min(slots, 5), fontsize="small", loc="upper left")
+    ax.grid(alpha=0.3)
+    return fig
+
+
+def build_figures(events: Events) -> dict[str, Figure]:
+    """Every plot the metrics have data for, by file stem."""
+    t0 = min(e["time"] for e in events)
+    figures = {"buffer": plot_buffer(events, t0), "rates": plot_rates(events, t0),
+               "loss": plot_loss(events), "accuracy": plot_accuracy(events)}
+    return {name: fig for name, fig in figures.items() if fig is not None}
+
+
+def write_report(output_dir: str | Path) -> list[Path]:
+    """Write OUTPUT/report/<plot>.png for each plot with data; the paths written."""
+    out = Path(output_dir)
+    events = read_metrics(out)
+    if not events:
+        raise FileNotFoundError(f"no metrics in {out / 'metrics'}: nothing to plot")
+    folder = out / "report"
+    folder.mkdir(exist_ok=True)
+    paths = []
+    for name, fig in build_figures(events).items():
+        path = folder / f"{name}.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(path)
+    return paths

@@ -1,0 +1,250 @@
+"""`dflash-stream status`: one view of a run across all ranks, from its output folder alone.
+
+Works on a live run, a finished one (summary.json present) and a dead one (no metrics for a while and no live
+process behind any rank's `start` event).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from dflash_stream.observe.metrics import read_metrics
+from dflash_stream.observe.units import fmt_bytes, fmt_count, fmt_duration
+
+STALE_AFTER_S = 120.0  # a rank silent this long, whose process cannot be checked, is presumed stopped
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True
+
+
+def _ranks(events: list[dict[str, Any]], now: float) -> list[dict[str, Any]]:
+    ranks: dict[tuple[str, int], dict[str, Any]] = {}
+    for e in events:
+        r = ranks.setdefault((e["role"], e["rank"]), {"role": e["role"], "rank": e["rank"], "pid": None,
+                                                       "host": None, "ended": False})
+        r["last_time"] = e["time"]
+        if e["event"] == "start":
+            r.update(pid=e.get("pid"), host=e.get("host"), ended=False)
+        elif e["event"] == "end":
+            r["ended"] = True
+    here = socket.gethostname()
+    for r in ranks.values():
+        r["silent_s"] = now - r["last_time"]
+        # A pid can only be checked on its own host; elsewhere, silence is the only evidence.
+        r["alive"] = _pid_alive(r["pid"]) if r["pid"] and r["host"] == here and not r["ended"] else None
+    return sorted(ranks.values(), key=lambda r: (r["role"], r["rank"]))
+
+
+def _run_state(out: Path, ranks: list[dict[str, Any]]) -> tuple[str, str]:
+    if (out / "summary.json").is_file():
+        return "finished", "summary.json written"
+    if not ranks:
+        return "starting", "no metrics yet"
+    if all(r["ended"] for r in ranks):
+        return "stopped", "every rank logged its end, but there is no summary.json"
+    if any(r["alive"] for r in ranks):
+        gone = [f"{r['role']} {r['rank']}" for r in ranks if r["alive"] is False]
+        return "running", "live process(es) on this host" + (f"; {', '.join(gone)} died" if gone else "")
+    quiet = min(r["silent_s"] for r in ranks)
+    if any(r["alive"] is False for r in ranks):
+        return "crashed", f"no live process behind the ranks; last metrics {fmt_duration(quiet)} ago"
+    if quiet > STALE_AFTER_S:
+        return "crashed", f"no metrics for {fmt_duration(quiet)} (ranks on other hosts cannot be checked)"
+    return "running", f"last metrics {fmt_duration(quiet)} ago"
+
+
+def _latest(events: list[dict[str, Any]], name: str) -> dict[tuple[str, int], dict[str, Any]]:
+    """The last event of a kind per (role, rank)."""
+    last: dict[tuple[str, int], dict[str, Any]] = {}
+    for e in events:
+        if e["event"] == name:
+            last[(e["role"], e["rank"])] = e
+    return last
+
+
+def _started(events: list[dict[str, Any]]) -> dict[tuple[str, int], float]:
+    """When each rank's current process began: its latest `start` event, else its first event."""
+    first: dict[tuple[str, int], float] = {}
+    for e in events:
+        key = (e["role"], e["rank"])
+        if key not in first or e["event"] == "start":
+            first[key] = e["time"]
+    return first
+
+
+def _sample_rate(events: list[dict[str, Any]], key: tuple[str, int], since: float) -> float:
+    """Samples/s of one extractor since its process started (a resumed rank's counter starts above 0)."""
+    mine = [e for e in events if e["event"] == "extract" and (e["role"], e["rank"]) == key and e["time"] >= since]
+    if len(mine) >= 2:
+        first, last = mine[0], mine[-1]
+        return (last["samples"] - first["samples"]) / max(last["time"] - first["time"], 1e-9)
+    return mine[-1]["samples"] / max(mine[-1]["time"] - since, 1e-9) if mine else 0.0
+
+
+def _extraction(events: list[dict[str, Any]], running: bool) -> dict[str, Any] | None:
+    last = _latest(events, "extract")
+    if not last:
+        return None
+    started = _started(events)
+    done = sum(e["samples"] for e in last.values())
+    total = sum(e.get("samples_total") or 0 for e in last.values()) or None
+    # Mean rate since each rank started: robust to the bursty per-segment cadence of extract events.
+    rate = sum(_sample_rate(events, k, started[k]) for k in last)
+    remaining = (total - done) if total else None
+    return {
+        "ranks": len(last), "samples": done, "samples_total": total,
+        "progress": done / total if total else None,
+        "tokens": sum(e["tokens"] for e in last.values()),
+        "tok_s": sum(e.get("tok_s") or 0 for e in last.values()),
+        "samples_per_s": rate,
+        "eta_s": remaining / rate if running and remaining is not None and rate > 0 else None,
+        "backpressure_s": sum(e.get("backpressure_s") or 0 for e in last.values()),
+    }
+
+
+def _live_store(out: Path) -> dict[str, Any] | None:
+    """The store's own status when its folder is reachable from here (the run's config.yaml names it)."""
+    from dflash_stream.store import Store, StoreError
+
+    config = out / "config.yaml"
+    if not config.is_file():
+        return None
+    path = (yaml.safe_load(config.read_text()) or {}).get("store", {}).get("path")
+    if not path or not (Path(path) / "store.json").is_file():
+        return None
+    try:
+        return Store._attach(path).status()  # read-only inspection of an existing store
+    except (StoreError, OSError):
+        return None  # deleted or half-written while we looked: the metrics still tell the story
+
+
+def _buffer(out: Path, events: list[dict[str, Any]], now: float) -> dict[str, Any] | None:
+    stores = [e for e in events if e["event"] == "store"]
+    last = stores[-1] if stores else {}
+    live = _live_store(out)
+    if live is None and not last:
+        return None
+    if live is not None:
+        segs = live["segments"]
+        b = {"used_bytes": live["used_bytes"], "reserved_bytes": live["reserved_bytes"],
+             "budget_bytes": live["budget_bytes"], "ready": segs["ready"], "claimed": segs["claimed"],
+             "segments_written": last.get("segments_written"), "segments_released": segs["released"],
+             "writers_waiting": live["writers_waiting"], "source": f"live store status of {live['path']}"}
+    else:
+        b = {"used_bytes": last["used_bytes"], "reserved_bytes": last.get("reserved_bytes", 0),
+             "budget_bytes": last["budget_bytes"], "ready": last.get("ready"), "claimed": last.get("claimed"),
+             "segments_written": last.get("segments_written"), "segments_released": last.get("segments_released"),
+             "writers_waiting": None, "source": f"last store metrics event, {fmt_duration(now - last['time'])} ago"}
+    b["fill"] = (b["used_bytes"] + b["reserved_bytes"]) / b["budget_bytes"] if b["budget_bytes"] else None
+    return b
+
+
+def _training(events: list[dict[str, Any]]) -> dict[str, Any] | None:
+    last = _latest(events, "train")
+    if not last:
+        return None
+    lead = min(last.values(), key=lambda e: e["rank"])  # the reduced loss and accuracies are on every rank
+    acc = lead.get("acc") or []
+    return {
+        "ranks": len(last), "step": lead["step"], "epoch": lead.get("epoch"), "loss": lead.get("loss"),
+        "tau": lead.get("tau"), "lr": lead.get("lr"), "acc_slot1": acc[0] if acc else None,
+        "acc_mean": sum(acc) / len(acc) if acc else None,
+        "tokens": sum(e.get("tokens") or 0 for e in last.values()),
+        "tok_s": sum(e.get("tok_s") or 0 for e in last.values()),
+        "data_wait_s": sum(e.get("data_wait_s") or 0 for e in last.values()),
+    }
+
+
+def _checkpoints(out: Path) -> dict[str, Any]:
+    steps = sorted(
+        int(p.name.removeprefix("step-")) for p in (out / "checkpoints").glob("step-*")
+        if p.name.removeprefix("step-").isdigit() and (p / "COMPLETE").exists()
+    )
+    return {"count": len(steps), "latest_step": steps[-1] if steps else None,
+            "latest": str(out / "checkpoints" / f"step-{steps[-1]}") if steps else None}
+
+
+def collect_status(output_dir: str | Path, now: float | None = None) -> dict[str, Any]:
+    """Everything `status` shows, as plain data."""
+    out = Path(output_dir)
+    if not out.is_dir():
+        raise FileNotFoundError(f"output folder not found: {out}")
+    if not (out / "metrics").is_dir() and not (out / "summary.json").is_file():
+        raise FileNotFoundError(f"{out} has no metrics/ folder: not a dflash-stream output folder (yet)")
+    now = time.time() if now is None else now
+    events = read_metrics(out)
+    ranks = _ranks(events, now)
+    state, reason = _run_state(out, ranks)
+    summary = json.loads((out / "summary.json").read_text()) if state == "finished" else None
+    return {
+        "output": str(out), "state": state, "state_reason": reason, "time": now,
+        "ranks": ranks,
+        "extraction": _extraction(events, state == "running"),
+        "buffer": _buffer(out, events, now),
+        "training": _training(events),
+        "checkpoints": _checkpoints(out),
+        "summary": summary,
+    }
+
+
+def render_status(s: dict[str, Any]) -> str:
+    """`collect_status` as a terminal page."""
+    out = [f"{s['output']}: {s['state'].upper()} ({s['state_reason']})"]
+    roles: dict[str, int] = {}
+    for r in s["ranks"]:
+        roles[r["role"]] = roles.get(r["role"], 0) + 1
+    out.append("ranks: " + (", ".join(f"{n} {role}" for role, n in roles.items()) or "none"))
+    x = s["extraction"]
+    if x:
+        pct = f" ({x['progress']:.1%})" if x["progress"] is not None else ""
+        eta = f", ETA {fmt_duration(x['eta_s'])}" if x["eta_s"] is not None else ""
+        out.append(f"extract   {fmt_count(x['samples'])} / {fmt_count(x['samples_total'])} samples{pct}{eta}")
+        out.append(f"          {x['tok_s']:,.0f} tok/s over {x['ranks']} rank(s); "
+                   f"blocked on a full buffer {fmt_duration(x['backpressure_s'])}")
+    b = s["buffer"]
+    if b:
+        fill = f"{b['fill']:.0%}" if b["fill"] is not None else "?"
+        out.append(f"buffer    {fmt_bytes(b['used_bytes'] + b['reserved_bytes'])} / {fmt_bytes(b['budget_bytes'])} "
+                   f"({fill}; {fmt_bytes(b['reserved_bytes'])} reserved by writers)")
+        waiting = f"; {b['writers_waiting']} writer(s) waiting for space" if b["writers_waiting"] else ""
+        out.append(f"          {b['ready']} ready, {b['claimed']} claimed; {_num(b['segments_written'], 'd')} written, "
+                   f"{b['segments_released']} released{waiting}  [{b['source']}]")
+    t = s["training"]
+    if t:
+        out.append(f"train     step {t['step']} (epoch {t['epoch']}): loss {_num(t['loss'], '.4f')}, "
+                   f"tau {_num(t['tau'], '.2f')}, acc slot 1 {_num(t['acc_slot1'], '.1%')}, lr {_num(t['lr'], '.2e')}")
+        out.append(f"          {t['tok_s']:,.0f} tok/s over {t['ranks']} rank(s); "
+                   f"waited for data {fmt_duration(t['data_wait_s'])}")
+    c = s["checkpoints"]
+    out.append(f"ckpt      {c['count']} complete" + (f", latest {c['latest']}" if c["latest"] else ""))
+    if s["summary"] is not None:
+        out.append("summary   " + json.dumps(s["summary"])[:400])
+    return "\n".join(out)
+
+
+def _num(value: float | None, spec: str) -> str:
+    return "?" if value is None else format(value, spec)
+
+
+def watch(output_dir: str | Path, interval: float) -> int:
+    """Redraw the status page until the run is no longer running."""
+    while True:
+        status = collect_status(output_dir)
+        print("\033[2J\033[H" + render_status(status), flush=True)
+        if status["state"] not in ("running", "starting"):
+            return 0
+        time.sleep(interval)

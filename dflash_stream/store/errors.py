@@ -1,0 +1,21 @@
+"""Store errors: each one reads as a single line that names the file, field or figure at fault."""
+
+
+class StoreError(RuntimeError):
+    """Base class of every error the store raises on purpose."""
+
+
+class FingerprintMismatch(StoreError):
+    """The store on disk was produced by a different configuration."""
+
+
+class BudgetTooSmall(StoreError):
+    """The byte budget cannot hold even one worst-case segment."""
+
+
+class StoreFull(StoreError):
+    """A non-blocking write found no room in the budget."""
+
+
+class CorruptChunk(StoreError):
+    """A chunk failed its checksum or is missing; the message names the segment and the chunk."""

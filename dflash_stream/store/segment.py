@@ -1,0 +1,157 @@
+"""One segment: many samples packed into one zarr v3 group, written once and then only read."""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import zarr
+from zarr.storage import LocalStore, MemoryStore
+
+from dflash_stream.store import codecs
+from dflash_stream.store.errors import CorruptChunk, StoreError
+
+FORMAT = 1
+ARRAYS_PER_SEGMENT = 6  # input_ids, loss_mask, offsets, sample_ids and up to two state arrays
+
+
+@dataclass
+class Sample:
+    """What an extractor hands to a writer."""
+
+    sample_id: int
+    input_ids: np.ndarray  # int32 [T]
+    loss_mask: np.ndarray  # bool [T]
+    hidden_states: torch.Tensor  # bfloat16 [T, K*D] on CPU
+
+
+@dataclass
+class StoredSample:
+    """What a consumer gets back."""
+
+    sample_id: int
+    input_ids: torch.Tensor  # int64 [T]
+    loss_mask: torch.Tensor  # bool [T]
+    hidden_states: torch.Tensor  # bfloat16 [T, K*D], a view of the segment's decoded buffer
+
+
+def check_samples(samples: list[Sample], width: int) -> int:
+    """Total tokens; raises StoreError naming the first sample that cannot be stored."""
+    if not samples:
+        raise StoreError("a segment needs at least one sample")
+    total = 0
+    for s in samples:
+        hs, t = s.hidden_states, len(s.input_ids)
+        if hs.dtype != torch.bfloat16 or hs.dim() != 2 or hs.shape[1] != width:
+            raise StoreError(
+                f"sample {s.sample_id}: hidden_states must be bfloat16 [tokens, {width}], got {hs.dtype} {list(hs.shape)}"
+            )
+        if hs.shape[0] != t or len(s.loss_mask) != t or t == 0:
+            raise StoreError(
+                f"sample {s.sample_id}: {t} input_ids, {len(s.loss_mask)} loss_mask and {hs.shape[0]} state rows "
+                "must be equal and non-zero"
+            )
+        if not torch.isfinite(hs).all():
+            raise StoreError(f"sample {s.sample_id}: hidden_states hold NaN or Inf; refusing to store them")
+        total += t
+    return total
+
+
+def raw_bytes(tokens: int, num_samples: int, width: int) -> int:
+    """Uncompressed bytes of a segment: bf16 states, int32 ids, mask bytes, offsets and ids."""
+    return tokens * (width * 2 + 4 + 1) + (2 * num_samples + 1) * 8
+
+
+def disk_bound(raw: int, tokens: int, width: int, block: int, codec: str) -> int:
+    """Worst-case bytes a segment of `raw` bytes can take on disk, as `du` counts them (before encoding)."""
+    rows = codecs.rows_per_chunk(width)
+    state_chunks = math.ceil(tokens / rows)
+    # zarr stores the last chunk of tokens whole, zero-padded: real bytes for `none`, while zstd squeezes
+    # zeros by far more than 128:1.
+    padding = (state_chunks * rows - tokens) * width * 2
+    padding //= 1 if codec == "none" else 128
+    files = 2 * state_chunks + 2 * ARRAYS_PER_SEGMENT + 2  # chunks, per-array and group metadata
+    return codecs.encoded_bound(raw + padding, files) + files * 2 * block + (ARRAYS_PER_SEGMENT + 1) * 2 * block
+
+
+def files_bound(files: dict[str, bytes], block: int) -> int:
+    """Most bytes `files` can take once written: whole blocks, one more each for the extent map, and the
+    directories that hold them."""
+    dirs = {"", *(key.rpartition("/")[0] for key in files)}
+    return sum((-(-len(data) // block) + 1) * block for data in files.values()) + len(dirs) * 2 * block
+
+
+def encode_segment(samples: list[Sample], codec: str, layer_ids: list[int], hidden_size: int) -> dict[str, bytes]:
+    """The segment's files (relative path -> bytes), encoded in memory so that their size is known before
+    any disk space is reserved, and a failed write never races zarr's own concurrent writers."""
+    files: dict = {}
+    lengths = np.array([len(s.input_ids) for s in samples], dtype=np.int64)
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    group = zarr.create_group(store=MemoryStore(files), zarr_format=3, attributes={
+        "format": FORMAT, "codec": codec, "logical_dtype": "bfloat16", "layout": "tokens x (layers * hidden)",
+        "layer_ids": list(layer_ids), "hidden_size": hidden_size,
+    })
+    codecs.write_small(group, "input_ids", np.concatenate([np.asarray(s.input_ids, dtype=np.int32) for s in samples]))
+    codecs.write_small(group, "loss_mask", np.concatenate([np.asarray(s.loss_mask, dtype=bool) for s in samples]))
+    codecs.write_small(group, "offsets", offsets)
+    codecs.write_small(group, "sample_ids", np.array([s.sample_id for s in samples], dtype=np.int64))
+    states = torch.cat([s.hidden_states for s in samples]) if len(samples) > 1 else samples[0].hidden_states
+    codecs.write_states(group, codec, states, len(layer_ids))
+    return {key: buf.to_bytes() for key, buf in files.items()}
+
+
+def write_file(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+
+
+def write_files(root: Path, files: dict[str, bytes]) -> None:
+    root.mkdir()
+    for key in sorted(files):  # "a/zarr.json" sorts after "a" would need its directory: create it on the way
+        target = root / key
+        target.parent.mkdir(parents=True, exist_ok=True)
+        write_file(target, files[key])
+
+
+def _chunk_files(array_dir: Path) -> int:
+    return sum(1 for e in os.scandir(array_dir) if e.name.startswith("c."))
+
+
+def _read_array(segment_id: str, path: Path, group: zarr.Group, name: str) -> np.ndarray:
+    arr = group[name]
+    # zarr reads a missing chunk back as the fill value without a word, so count the files first.
+    if _chunk_files(path / name) != arr.nchunks:
+        raise CorruptChunk(f"segment {segment_id}: array '{name}' has chunk files missing ({path / name})")
+    try:
+        return arr[...]
+    except ValueError:
+        pass
+    for index in np.ndindex(*arr.cdata_shape):
+        try:
+            arr.blocks[index]
+        except ValueError as err:
+            key = ".".join(map(str, index))
+            raise CorruptChunk(f"segment {segment_id}: chunk {name}/c.{key} is corrupt ({err})") from None
+    raise CorruptChunk(f"segment {segment_id}: array '{name}' failed to decode")
+
+
+def read_segment(segment_id: str, path: Path) -> list[StoredSample]:
+    try:
+        group = zarr.open_group(LocalStore(path, read_only=True), mode="r", zarr_format=3)
+    except (FileNotFoundError, ValueError) as err:
+        raise CorruptChunk(f"segment {segment_id}: metadata unreadable at {path} ({err})") from None
+    codec, layer_ids = group.attrs["codec"], group.attrs["layer_ids"]
+    arrays = {name: _read_array(segment_id, path, group, name)
+              for name in ("input_ids", "loss_mask", "offsets", "sample_ids", *codecs.state_arrays(codec))}
+    states = codecs.read_states(arrays, codec, len(layer_ids))
+    ids = torch.from_numpy(arrays["input_ids"]).long()
+    mask = torch.from_numpy(arrays["loss_mask"])
+    bounds = arrays["offsets"].tolist()
+    return [
+        StoredSample(int(sid), ids[a:b], mask[a:b], states[a:b])
+        for sid, a, b in zip(arrays["sample_ids"].tolist(), bounds[:-1], bounds[1:], strict=True)
+    ]

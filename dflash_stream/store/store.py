@@ -1,0 +1,500 @@
+"""The store: a directory of segments whose lifecycle is kept in marker files moved by atomic renames."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import re
+import shutil
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dflash_stream.log import get_logger
+from dflash_stream.store import budget as bud
+from dflash_stream.store.codecs import CODECS
+from dflash_stream.store.errors import BudgetTooSmall, FingerprintMismatch, StoreError, StoreFull
+from dflash_stream.store.segment import (
+    FORMAT,
+    Sample,
+    StoredSample,
+    check_samples,
+    disk_bound,
+    encode_segment,
+    files_bound,
+    raw_bytes,
+    read_segment,
+    write_files,
+)
+
+log = get_logger("store")
+DIRS = ("segments", "tmp", "info", "ready", "claimed", "done", "writers", "budget", "budget/reserved", "budget/waiting")
+BASE_BLOCKS = 2 * len(DIRS) + 8
+"""Blocks the empty store takes: its directories, store.json, the lock and a few markers."""
+_ID = re.compile(r"^[A-Za-z0-9_-]+$")
+POLL_SECONDS = (0.02, 0.5)
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    """Write-then-rename, so readers see the old file or the new one, never a torn one."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(obj))
+    os.replace(tmp, path)
+
+
+def _check_id(kind: str, value: str) -> str:
+    if not _ID.match(value):
+        raise StoreError(f"{kind} id '{value}' is invalid; allowed: letters, digits, '_' and '-'")
+    return value
+
+
+def _marker(name: str) -> tuple[str, int]:
+    segment, _, use = name.rpartition("@")
+    return segment, int(use)
+
+
+@dataclass(frozen=True)
+class Claim:
+    segment_id: str
+    pass_index: int
+    use_index: int
+    sample_ids: tuple[int, ...]
+    num_tokens: int
+    reuse: int = 1
+
+    @property
+    def epoch(self) -> int:
+        return self.pass_index * self.reuse + self.use_index
+
+
+@dataclass(frozen=True)
+class SegmentInfo:
+    segment_id: str
+    pass_index: int
+    sample_ids: tuple[int, ...]
+    num_tokens: int
+    raw_bytes: int
+    bytes: int
+    """Allocated bytes on disk, as `du` counts them."""
+
+
+def min_budget(max_segment_raw_bytes: int, width: int, block: int, codec: str) -> int:
+    tokens = max_segment_raw_bytes // (2 * width + 5) + 1
+    return disk_bound(max_segment_raw_bytes, tokens, width, block, codec) + (BASE_BLOCKS + bud.SLACK_BLOCKS + 4) * block
+
+
+class Store:
+    """Open with `Store.open`; see the package docstring for the layout and the lifecycle."""
+
+    def __init__(self, path: Path, manifest: dict[str, Any], budget: int) -> None:
+        self.path = path
+        self.fingerprint: dict[str, Any] = manifest["fingerprint"]
+        self.codec: str = manifest["codec"]
+        self.reuse: int = manifest["reuse"]
+        self.budget = budget
+        self.layer_ids: list[int] = list(self.fingerprint.get("layer_ids") or [0])
+        self.width: int = manifest["width"]
+        self.block = bud.block_size(path)
+        self._info: dict[str, SegmentInfo] = {}
+
+    # ---- opening -------------------------------------------------------------------------------------------
+    @classmethod
+    def open(cls, path: str | os.PathLike, *, budget: int, codec: str, reuse: int, fingerprint: dict,
+             max_segment_raw_bytes: int, create: bool = True) -> Store:
+        path = Path(path)
+        if codec not in CODECS:
+            raise StoreError(f"unknown store codec '{codec}'; allowed: {', '.join(CODECS)}")
+        if reuse < 1:
+            raise StoreError(f"store reuse must be >= 1, got {reuse}")
+        width = len(fingerprint.get("layer_ids") or [0]) * int(fingerprint.get("hidden_size") or 1)
+        if not path.exists():
+            if not create:
+                raise StoreError(f"no store at {path} (the directory does not exist)")
+            try:
+                path.mkdir(parents=True, exist_ok=True)
+            except OSError as err:
+                raise StoreError(f"cannot create store directory {path}: {err.strerror}") from None
+        elif not path.is_dir():
+            raise StoreError(f"store path {path} exists and is not a directory")
+        _probe_writable(path)
+        smallest = min_budget(max_segment_raw_bytes, width, bud.block_size(path), codec)
+        if budget < smallest:
+            raise BudgetTooSmall(
+                f"store budget {budget:,} bytes cannot hold one worst-case segment of {max_segment_raw_bytes:,} raw "
+                f"bytes with codec {codec}; the smallest workable budget is {smallest:,} bytes"
+            )
+        requested = {"format": FORMAT, "fingerprint": fingerprint, "codec": codec, "reuse": reuse, "width": width}
+        manifest = _create_or_read_manifest(path, {**requested, "budget": budget}, create)
+        _compare(path, manifest, requested)
+        if manifest.get("budget") != budget:
+            # The budget may change between runs; `store status` reports the latest one.
+            _write_json(path / "store.json", {**manifest, "budget": budget})
+        for d in DIRS:
+            (path / d).mkdir(exist_ok=True)
+        return cls(path, manifest, budget)
+
+    @classmethod
+    def _attach(cls, path: str | os.PathLike) -> Store:
+        """An existing store with the parameters it was last opened with (for inspection commands)."""
+        path = Path(path)
+        if not (path / "store.json").is_file():
+            raise StoreError(f"no store at {path} (store.json is missing)")
+        manifest = _create_or_read_manifest(path, {}, create=False)
+        return cls(path, manifest, manifest["budget"])
+
+    # ---- the public surface --------------------------------------------------------------------------------
+    def writer(self, writer_id: str) -> SegmentWriter:
+        return SegmentWriter(self, _check_id("writer", writer_id))
+
+    def consumer(self, consumer_id: str, keep: Iterable[str] = ()) -> SegmentConsumer:
+        return SegmentConsumer(self, _check_id("consumer", consumer_id), set(keep))
+
+    def set_expected_writers(self, n: int) -> None:
+        _write_json(self.path / "writers" / "expected", n)
+
+    @property
+    def end_of_data(self) -> bool:
+        try:
+            expected = json.loads((self.path / "writers" / "expected").read_text())
+        except FileNotFoundError:
+            return False
+        return len(self._finished_writers()) >= expected
+
+    def stored_sample_ids(self) -> dict[int, set[int]]:
+        # Segments are listed before `done`: a release moves its marker to done before deleting the segment.
+        published = set(self._ls("segments")) | {_marker(n)[0] for n in self._ls("done")}
+        out: dict[int, set[int]] = {}
+        for seg in published:
+            info = self.info(seg)
+            if info is not None:
+                out.setdefault(info.pass_index, set()).update(info.sample_ids)
+        return out
+
+    def status(self) -> dict[str, Any]:
+        reserved = self._reserved()
+        used = self._used()
+        live = [i for i in (self.info(s) for s in self._ls("segments")) if i is not None]
+        claimed = [n for c in self._ls("claimed") for n in self._ls(f"claimed/{c}")]
+        return {
+            "path": str(self.path), "codec": self.codec, "reuse": self.reuse,
+            "budget_bytes": self.budget, "used_bytes": used, "reserved_bytes": reserved,
+            "segments": {"ready": len(self._ls("ready")), "claimed": len(claimed), "writing": len(self._ls("tmp", "*/*")),
+                         "released": len(self._ls("done"))},
+            "samples": sum(len(i.sample_ids) for i in live), "tokens": sum(i.num_tokens for i in live),
+            "writers_finished": len(self._finished_writers()), "writers_waiting": len(self._ls("budget/waiting")),
+            "end_of_data": self.end_of_data,
+        }
+
+    def recover(self) -> dict[str, int]:
+        """Clean up after any crash. Only when no other process uses the store (at job start)."""
+        report = {"partial_writes": 0, "reservations": 0, "claims_returned": 0, "deletions_finished": 0}
+        writers = set(self._ls("tmp")) | set(self._ls("budget/reserved")) | set(self._ls("budget/waiting"))
+        for w in writers:
+            report["partial_writes"] += len(self._ls(f"tmp/{w}"))
+            report["reservations"] += (self.path / "budget" / "reserved" / w).exists()
+            self._clean_writer(w)
+        for seg in self._ls("segments"):
+            if not self._has_marker(seg):
+                self._mark_ready(seg)
+        for c in self._ls("claimed"):
+            report["claims_returned"] += self._return_claims(c, set())
+        for name in self._ls("done"):
+            seg = _marker(name)[0]
+            if (self.path / "segments" / seg).exists():
+                shutil.rmtree(self.path / "segments" / seg, ignore_errors=True)
+                report["deletions_finished"] += 1
+        shutil.rmtree(self.path / "budget" / "lock", ignore_errors=True)
+        return report
+
+    # ---- shared helpers ------------------------------------------------------------------------------------
+    def info(self, segment_id: str) -> SegmentInfo | None:
+        """A segment's immutable record (kept after the segment is deleted); None for an unpublished one."""
+        if segment_id not in self._info:
+            try:
+                raw = json.loads((self.path / "info" / f"{segment_id}.json").read_text())
+            except (FileNotFoundError, json.JSONDecodeError):
+                return None
+            self._info[segment_id] = SegmentInfo(
+                raw["segment_id"], raw["pass_index"], tuple(raw["sample_ids"]), raw["num_tokens"], raw["raw_bytes"],
+                raw["bytes"],
+            )
+        return self._info[segment_id]
+
+    def _ls(self, rel: str, pattern: str | None = None) -> list[str]:
+        d = self.path / rel
+        try:
+            if pattern:
+                return [str(p.relative_to(d)) for p in d.glob(pattern)]
+            return [n for n in os.listdir(d) if not n.startswith(".")]
+        except FileNotFoundError:
+            return []
+
+    def _finished_writers(self) -> list[str]:
+        return [n for n in self._ls("writers") if n.endswith(".finished")]
+
+    def _reserved(self) -> int:
+        total = 0
+        for w in self._ls("budget/reserved"):
+            try:
+                total += int((self.path / "budget" / "reserved" / w).read_text() or 0)
+            except (FileNotFoundError, ValueError):
+                continue
+        return total
+
+    def _used(self) -> int:
+        """Published segments at their recorded size, plus everything outside segments and partial writes.
+        Segments are listed before the rest is measured, so a segment deleted in between is still counted."""
+        charged = 0
+        for seg in self._ls("segments"):
+            info = self.info(seg)
+            # A segment dir without its record is a crashed publish being recovered: measure it.
+            charged += info.bytes if info else bud.du(self.path / "segments" / seg)
+        return charged + bud.du(self.path, frozenset({"segments", "tmp"}))
+
+    def _has_marker(self, seg: str) -> bool:
+        names = self._ls("ready") + self._ls("done") + [n for c in self._ls("claimed") for n in self._ls(f"claimed/{c}")]
+        return any(_marker(n)[0] == seg for n in names)
+
+    def _mark_ready(self, seg: str, use: int = 0) -> None:
+        (self.path / "ready" / f"{seg}@{use}").touch()
+
+    def _clean_writer(self, writer_id: str) -> None:
+        """Remove a writer's partial writes, its unpublished records and its reservation; mark its published
+        but unmarked segments READY (it died between publishing and marking)."""
+        for seg in self._ls(f"tmp/{writer_id}"):
+            (self.path / "info" / f"{seg}.json").unlink(missing_ok=True)
+        shutil.rmtree(self.path / "tmp" / writer_id, ignore_errors=True)
+        for seg in self._ls("segments"):
+            if seg.rpartition(".")[0] == writer_id and not self._has_marker(seg):
+                self._mark_ready(seg)
+        for rel in ("budget/reserved", "budget/waiting"):
+            (self.path / rel / writer_id).unlink(missing_ok=True)
+
+    def _return_claims(self, consumer_id: str, keep: set[str]) -> int:
+        returned = 0
+        for name in self._ls(f"claimed/{consumer_id}"):
+            if _marker(name)[0] not in keep:
+                os.rename(self.path / "claimed" / consumer_id / name, self.path / "ready" / name)
+                returned += 1
+        return returned
+
+
+class SegmentWriter:
+    """Writes segments for one writer id; one process owns a writer id at a time."""
+
+    def __init__(self, store: Store, writer_id: str) -> None:
+        self.store, self.id = store, writer_id
+        self.waited_seconds = 0.0
+        store._clean_writer(writer_id)
+        (store.path / "writers" / f"{writer_id}.finished").unlink(missing_ok=True)
+        mine = [n.removesuffix(".json").rpartition(".")[2] for n in store._ls("info") if n.startswith(f"{writer_id}.")]
+        self._seq = max((int(s) for s in mine if s.isdigit()), default=-1) + 1
+        (store.path / "tmp" / writer_id).mkdir(exist_ok=True)
+
+    def write(self, samples: list[Sample], pass_index: int = 0, block: bool = True) -> SegmentInfo:
+        st = self.store
+        tokens = check_samples(samples, st.width)
+        raw = raw_bytes(tokens, len(samples), st.width)
+        seg = f"{self.id}.{self._seq:06d}"
+        record = {"segment_id": seg, "pass_index": pass_index, "sample_ids": [int(s.sample_id) for s in samples],
+                  "num_tokens": tokens, "raw_bytes": raw}
+        files = encode_segment(samples, st.codec, st.layer_ids, int(st.fingerprint.get("hidden_size") or st.width))
+        record_bytes = len(json.dumps({**record, "bytes": 0})) + 32
+        # The segment, its record, and this writer's reservation file.
+        need = files_bound(files, st.block) + (-(-record_bytes // st.block) + 1) * st.block
+        self._reserve(need, block)
+        tmp = st.path / "tmp" / self.id / seg
+        try:
+            write_files(tmp, files)
+            info = SegmentInfo(seg, pass_index, tuple(record["sample_ids"]), tokens, raw, bud.du(tmp))
+            if info.bytes > need:
+                log.warning("segment %s took %d bytes, more than the %d reserved for it", seg, info.bytes, need)
+            _write_json(st.path / "info" / f"{seg}.json", {**record, "bytes": info.bytes})
+            os.rename(tmp, st.path / "segments" / seg)
+            st._mark_ready(seg)
+        except OSError as err:
+            (st.path / "info" / f"{seg}.json").unlink(missing_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)
+            self._unreserve()
+            why = "disk full" if err.errno == errno.ENOSPC else (err.strerror or str(err))
+            raise StoreError(f"writing segment {seg} under {st.path} failed: {why}; the partial write was removed") from None
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            self._unreserve()
+            raise
+        self._unreserve()
+        self._seq += 1
+        st._info[seg] = info
+        return info
+
+    def finish(self) -> None:
+        (self.store.path / "writers" / f"{self.id}.finished").touch()
+
+    # ---- budget --------------------------------------------------------------------------------------------
+    def _reserve(self, need: int, block: bool) -> None:
+        st = self.store
+        slack = bud.SLACK_BLOCKS * st.block
+        waiting_since: float | None = None
+        delay = POLL_SECONDS[0]
+        while True:
+            with bud.DirLock(st.path / "budget" / "lock"):
+                # Reservations are read before segments and segments before the rest: see `_used`.
+                reserved = st._reserved()
+                used = st._used()
+                if used + reserved + need + slack <= st.budget:
+                    _write_json(st.path / "budget" / "reserved" / self.id, need)
+                    break
+            if used + need + slack > st.budget and reserved == 0 and not st._ls("segments"):
+                raise BudgetTooSmall(
+                    f"store budget {st.budget:,} bytes cannot fit a segment needing {need:,} bytes beside the "
+                    f"{used:,} bytes of records already there; raise store.budget"
+                )
+            if not block:
+                raise StoreFull(
+                    f"store {st.path} is full: used {used:,} + reserved {reserved:,} of {st.budget:,} bytes; "
+                    f"{need:,} bytes needed"
+                )
+            if waiting_since is None:
+                waiting_since = time.monotonic()
+                (st.path / "budget" / "waiting" / self.id).touch()
+                log.info("writer %s waits for the trainer to free space: used %s + reserved %s of budget %s bytes, "
+                         "%s bytes needed", self.id, f"{used:,}", f"{reserved:,}", f"{st.budget:,}", f"{need:,}")
+            time.sleep(delay)
+            delay = min(delay * 2, POLL_SECONDS[1])
+        if waiting_since is not None:
+            waited = time.monotonic() - waiting_since
+            self.waited_seconds += waited
+            (st.path / "budget" / "waiting" / self.id).unlink(missing_ok=True)
+            log.info("writer %s resumes after waiting %.1f s for space", self.id, waited)
+
+    def _unreserve(self) -> None:
+        (self.store.path / "budget" / "reserved" / self.id).unlink(missing_ok=True)
+
+
+class SegmentConsumer:
+    """Claims READY segments for one consumer id; one process owns a consumer id at a time."""
+
+    def __init__(self, store: Store, consumer_id: str, keep: set[str]) -> None:
+        self.store, self.id = store, consumer_id
+        self._dir = store.path / "claimed" / consumer_id
+        self._dir.mkdir(exist_ok=True)
+        store._return_claims(consumer_id, keep)
+
+    def claim(self, timeout: float | None = None) -> Claim | None:
+        claim, _ = self._poll(timeout)
+        return claim
+
+    def read(self, claim: Claim) -> list[StoredSample]:
+        return read_segment(claim.segment_id, self.store.path / "segments" / claim.segment_id)
+
+    def release(self, claims: list[Claim]) -> None:
+        st = self.store
+        for c in claims:
+            src = self._dir / f"{c.segment_id}@{c.use_index}"
+            try:
+                if c.use_index + 1 < st.reuse:
+                    os.rename(src, st.path / "ready" / f"{c.segment_id}@{c.use_index + 1}")
+                else:
+                    os.rename(src, st.path / "done" / src.name)
+                    shutil.rmtree(st.path / "segments" / c.segment_id, ignore_errors=True)
+            except FileNotFoundError:
+                raise StoreError(
+                    f"segment {c.segment_id} (use {c.use_index}) is not claimed by consumer {self.id}; it was "
+                    "released already or returned to READY by recovery"
+                ) from None
+
+    def writers_waiting(self) -> bool:
+        return bool(self.store._ls("budget/waiting"))
+
+    def _poll(self, timeout: float | None) -> tuple[Claim | None, bool]:
+        """(claim, exhausted): blocks until a claim, the end of data (exhausted) or the timeout."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        delay = POLL_SECONDS[0]
+        while True:
+            claim = self._try_claim()
+            if claim is not None:
+                return claim, False
+            if self._exhausted():
+                return None, True
+            if deadline is not None and time.monotonic() >= deadline:
+                return None, False
+            pause = delay if deadline is None else min(delay, max(0.0, deadline - time.monotonic()))
+            time.sleep(pause)
+            delay = min(delay * 2, POLL_SECONDS[1])
+
+    def _try_claim(self) -> Claim | None:
+        st = self.store
+        ready = []
+        for name in st._ls("ready"):
+            seg, use = _marker(name)
+            info = st.info(seg)
+            if info is not None:
+                ready.append((info.pass_index * st.reuse + use, name, info, use))
+        # Lowest epoch first, so every segment's use u is served before any segment's use u + 1.
+        for _, name, info, use in sorted(ready, key=lambda r: r[:2]):
+            try:
+                os.rename(st.path / "ready" / name, self._dir / name)
+            except FileNotFoundError:
+                continue  # another consumer took it
+            return Claim(info.segment_id, info.pass_index, use, info.sample_ids, info.num_tokens, st.reuse)
+        return None
+
+    def _exhausted(self) -> bool:
+        st = self.store
+        if not st.end_of_data:
+            return False
+        # claimed, ready, claimed again: a marker moving between the two directories is seen at least once.
+        first = self._claimed_elsewhere()
+        if st._ls("ready"):
+            return False
+        return not (first or self._claimed_elsewhere())
+
+    def _claimed_elsewhere(self) -> bool:
+        """Some claim will come back to READY for another use."""
+        st = self.store
+        return any(_marker(n)[1] + 1 < st.reuse for c in st._ls("claimed") for n in st._ls(f"claimed/{c}"))
+
+
+def _probe_writable(path: Path) -> None:
+    probe = path / f".probe-{os.getpid()}"
+    try:
+        fd = os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as err:
+        raise StoreError(f"store directory {path} is not writable: {err.strerror}") from None
+
+
+def _create_or_read_manifest(path: Path, requested: dict[str, Any], create: bool) -> dict[str, Any]:
+    manifest = path / "store.json"
+    if not manifest.exists():
+        if not create:
+            raise StoreError(f"no store at {path} (store.json is missing)")
+        tmp = path / f".store.json.{os.getpid()}"
+        tmp.write_text(json.dumps({**requested, "created": time.time()}, indent=1))
+        try:
+            os.link(tmp, manifest)  # fails if another process created it first; theirs wins
+        except FileExistsError:
+            pass
+        finally:
+            tmp.unlink()
+    try:
+        return json.loads(manifest.read_text())
+    except json.JSONDecodeError as err:
+        raise StoreError(f"{manifest} is not valid JSON: {err}") from None
+
+
+def _compare(path: Path, stored: dict[str, Any], requested: dict[str, Any]) -> None:
+    fields = [("format", stored.get("format"), requested["format"]), ("codec", stored.get("codec"), requested["codec"]),
+              ("reuse", stored.get("reuse"), requested["reuse"])]
+    old_fp, new_fp = stored.get("fingerprint", {}), requested["fingerprint"]
+    fields += [(f"fingerprint.{k}", old_fp.get(k), new_fp.get(k)) for k in sorted(set(old_fp) | set(new_fp))]
+    for name, old, new in fields:
+        if old != new:
+            raise FingerprintMismatch(
+                f"store {path} was made with {name}={old!r} but this run has {name}={new!r}; "
+                "use another store.path or delete the old store"
+            )

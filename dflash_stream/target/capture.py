@@ -1,0 +1,68 @@
+"""Capture the selected decoder layers' outputs with forward hooks, and stop the forward after the deepest one.
+
+Only the selected layers are kept (never `output_hidden_states=True` over all of them), and the layers after the
+deepest one, the final norm and the LM head never run. Layer id i is the output of decoder layer i, which is
+`hidden_states[i + 1]` of transformers' `output_hidden_states` tuple, except for the last layer: transformers
+puts the final-normed state there, while this captures the layer's own (pre-norm) output.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+
+
+class _StopForward(Exception):
+    """Raised by the deepest layer's hook: nothing after it is needed."""
+
+
+def decoder_layers(model) -> torch.nn.ModuleList:
+    layers = getattr(model.get_decoder(), "layers", None)
+    if not isinstance(layers, torch.nn.ModuleList):
+        raise ValueError(f"{type(model).__name__}: cannot find its decoder layers (expected get_decoder().layers)")
+    return layers
+
+
+class LayerCapture:
+    """`capture(input_ids, attention_mask)` -> bf16 [B, T, K*D], the K selected layers side by side in id order.
+
+    The hooks stay registered but act only inside a capture call, so `generate` on the same model is unaffected.
+    """
+
+    def __init__(self, model, layer_ids: list[int]) -> None:
+        layers = decoder_layers(model)
+        if not layer_ids or max(layer_ids) >= len(layers):
+            raise ValueError(f"layer ids {layer_ids} do not fit a target with {len(layers)} decoder layers")
+        self.base = model.get_decoder()
+        self.layer_ids = list(layer_ids)
+        self._deepest = max(layer_ids)
+        self._captured: dict[int, torch.Tensor] = {}
+        self._active = False
+        self._handles = [layers[i].register_forward_hook(partial(self._hook, i)) for i in self.layer_ids]
+
+    def _hook(self, layer_id: int, module, args, output) -> None:
+        if not self._active:
+            return
+        hidden = output[0] if isinstance(output, tuple) else output
+        self._captured[layer_id] = hidden.to(torch.bfloat16)
+        if layer_id == self._deepest:
+            raise _StopForward
+
+    @torch.inference_mode()
+    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        self._captured.clear()
+        self._active = True
+        try:
+            self.base(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        except _StopForward:
+            pass
+        finally:
+            self._active = False
+        states = torch.cat([self._captured[i] for i in self.layer_ids], dim=-1)
+        self._captured.clear()
+        return states
+
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.remove()

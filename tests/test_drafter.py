@@ -1,0 +1,331 @@
+"""The DFlash drafter: spec, anchor mask, labels and weights of the loss, frozen head, export format."""
+
+from __future__ import annotations
+
+import json
+import math
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+
+from dflash_stream.config import ConfigError, config_from_dict
+from dflash_stream.drafter import (
+    DFlashDrafter,
+    DrafterSpec,
+    build_spec,
+    dflash_loss,
+    drafter_state,
+    expected_acceptance,
+    export_drafter,
+    load_drafter,
+    load_target_head,
+    sample_anchors,
+    save_checkpoint_drafter,
+)
+from dflash_stream.drafter.loss import eligible_anchors
+from dflash_stream.target import load_target_config
+
+LAYERS = [1, 3, 5]
+
+
+def make_cfg(target_dir, **drafter) -> object:
+    return config_from_dict({
+        "output_dir": "unused",
+        "target": {"model": str(target_dir), "layer_ids": LAYERS},
+        "data": {"sources": [{"path": "unused.jsonl"}]},
+        "store": {"path": "unused", "budget": "1GB"},
+        "drafter": {"num_layers": 2, "block_size": 4, **drafter},
+    })
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_target_dir):
+    """(spec, head, target model) for the tiny target."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = make_cfg(tiny_target_dir)
+    spec = build_spec(cfg, load_target_config(cfg.target), LAYERS)
+    head = load_target_head(cfg.target, "cpu")
+    target = AutoModelForCausalLM.from_pretrained(tiny_target_dir).eval()
+    return spec, head, target
+
+
+def small_spec(**kw) -> DrafterSpec:
+    base = dict(hidden_size=32, intermediate_size=64, num_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                head_dim=8, rope_theta=10000.0, rms_norm_eps=1e-6, vocab_size=100, block_size=4, mask_token_id=99,
+                target_layer_ids=[0, 1], num_target_layers=4, max_position_embeddings=512)
+    return DrafterSpec(**{**base, **kw})
+
+
+def features(n: int, s: int, spec: DrafterSpec, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, s, spec.num_context_layers * spec.hidden_size, generator=g)
+
+
+# ---------------------------------------------------------------------------- spec
+
+
+def test_spec_defaults_from_target(tiny):
+    spec, _, target = tiny
+    assert (spec.hidden_size, spec.num_attention_heads, spec.num_key_value_heads, spec.head_dim) == (64, 4, 2, 16)
+    assert spec.intermediate_size == 128 and spec.vocab_size == 49152 and spec.num_target_layers == 6
+    assert spec.num_layers == 2 and spec.block_size == 4 and spec.target_layer_ids == LAYERS
+    # SmolLM2's tokenizer fills the vocabulary and has no mask token: the unknown token's row is used.
+    assert spec.mask_token_id == 0
+
+
+def test_spec_rejects_mask_without_embedding_row(tiny_target_dir):
+    cfg = make_cfg(tiny_target_dir, mask_token_id=49152)
+    with pytest.raises(ConfigError, match="drafter.mask_token_id"):
+        build_spec(cfg, load_target_config(cfg.target), LAYERS)
+
+
+def test_spec_rejects_other_width(tiny_target_dir):
+    cfg = make_cfg(tiny_target_dir, hidden_size=128)
+    with pytest.raises(ConfigError, match="drafter.hidden_size"):
+        build_spec(cfg, load_target_config(cfg.target), LAYERS)
+
+
+# ---------------------------------------------------------------------------- anchors and mask
+
+
+def test_anchor_eligibility():
+    loss_mask = torch.tensor([[0, 1, 1, 1, 0, 1, 1, 0, 1, 0]], dtype=torch.bool)
+    assert eligible_anchors(loss_mask)[0].nonzero().flatten().tolist() == [1, 2, 5]
+    anchors, valid = sample_anchors(loss_mask, 10, torch.Generator().manual_seed(0))
+    assert anchors[0].tolist() == [1, 2, 5] and valid.all()
+
+
+def test_anchors_are_distinct_eligible_and_padded():
+    g = torch.Generator().manual_seed(1)
+    loss_mask = torch.rand(3, 50, generator=g) > 0.3
+    loss_mask[2] = False
+    loss_mask[2, 10:13] = True  # exactly two eligible anchors: 10, 11
+    anchors, valid = sample_anchors(loss_mask, 8, g)
+    eligible = eligible_anchors(loss_mask)
+    assert anchors.shape[1] == 8
+    for row in range(3):
+        chosen = anchors[row][valid[row]]
+        assert eligible[row, chosen].all() and len(set(chosen.tolist())) == len(chosen)
+        assert chosen.tolist() == sorted(chosen.tolist())
+        assert len(chosen) == min(8, int(eligible[row].sum()))
+    assert anchors[2][valid[2]].tolist() == [10, 11]
+
+
+def block_forward(drafter, ctx, anchors, block_ids, embed):
+    """Training-style forward: all blocks of all sequences at once, with the anchor mask."""
+    n, s, _ = ctx.shape
+    bs = drafter.spec.block_size
+    positions = (anchors[..., None] + torch.arange(bs)).flatten(1)
+    context = drafter.context_kv(ctx, torch.arange(s).expand(n, s))
+    return drafter(embed(block_ids.flatten(1)), positions, context, drafter.block_mask(anchors, s))
+
+
+def setup_blocks(spec, n=2, s=24, anchors=((3, 9, 15), (5, 6, 20))):
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(spec, attention="sdpa").eval()
+    embed = torch.nn.Embedding(spec.vocab_size, spec.hidden_size)
+    anchors = torch.tensor(anchors)
+    block_ids = torch.randint(0, spec.vocab_size, (n, anchors.shape[1], spec.block_size))
+    return drafter, embed, features(n, s, spec), anchors, block_ids
+
+
+@torch.no_grad()
+def test_batched_blocks_equal_one_block_at_a_time():
+    """The masked training forward equals drafting each block alone after exactly the context before it
+    (what decoding does); a `<=` at the anchor or a leak between blocks breaks this."""
+    spec = small_spec()
+    drafter, embed, ctx, anchors, block_ids = setup_blocks(spec)
+    batched = block_forward(drafter, ctx, anchors, block_ids, embed).view(*block_ids.shape, -1)
+    for b in range(anchors.shape[0]):
+        for j, a in enumerate(anchors[b].tolist()):
+            context = drafter.context_kv(ctx[b : b + 1, :a], torch.arange(a)[None])
+            pos = (a + torch.arange(spec.block_size))[None]
+            alone = drafter(embed(block_ids[b : b + 1, j]), pos, context)
+            torch.testing.assert_close(batched[b, j], alone[0], atol=1e-5, rtol=1e-5)
+
+
+@torch.no_grad()
+def test_anchor_mask_is_strict():
+    spec = small_spec()
+    drafter, embed, ctx, anchors, block_ids = setup_blocks(spec)
+    ref = block_forward(drafter, ctx, anchors, block_ids, embed).view(*block_ids.shape, -1)
+    a = int(anchors[0, 1])  # block 1 of sequence 0, anchor 9
+
+    at_anchor = ctx.clone()
+    at_anchor[0, a:] += 5.0  # the anchor position and everything after it
+    out = block_forward(drafter, at_anchor, anchors, block_ids, embed).view(*block_ids.shape, -1)
+    torch.testing.assert_close(out[0, 1], ref[0, 1])
+    torch.testing.assert_close(out[0, 0], ref[0, 0])
+    assert not torch.allclose(out[0, 2], ref[0, 2])  # the later block (anchor 15) does see position 9..14
+
+    before = ctx.clone()
+    before[0, a - 1] += 5.0
+    out = block_forward(drafter, before, anchors, block_ids, embed).view(*block_ids.shape, -1)
+    assert not torch.allclose(out[0, 1], ref[0, 1])
+    torch.testing.assert_close(out[0, 0], ref[0, 0])  # anchor 3 does not see position 8
+    torch.testing.assert_close(out[1], ref[1])  # nor does the other sequence
+
+
+@torch.no_grad()
+def test_blocks_do_not_see_each_other():
+    spec = small_spec()
+    drafter, embed, ctx, anchors, block_ids = setup_blocks(spec)
+    ref = block_forward(drafter, ctx, anchors, block_ids, embed).view(*block_ids.shape, -1)
+    changed = block_ids.clone()
+    changed[0, 1] = (changed[0, 1] + 1) % spec.vocab_size
+    out = block_forward(drafter, ctx, anchors, changed, embed).view(*block_ids.shape, -1)
+    torch.testing.assert_close(out[0, 0], ref[0, 0])
+    torch.testing.assert_close(out[0, 2], ref[0, 2])
+    assert not torch.allclose(out[0, 1], ref[0, 1])
+
+
+@torch.no_grad()
+def test_flex_attention_matches_sdpa_on_cpu():
+    spec = small_spec(num_attention_heads=4, num_key_value_heads=1)  # GQA 4:1
+    drafter, embed, ctx, anchors, block_ids = setup_blocks(spec)
+    dense = block_forward(drafter, ctx, anchors, block_ids, embed)
+    drafter.attention = "flex"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # eager (uncompiled) FlexAttention warns that it is slow
+        flex = block_forward(drafter, ctx, anchors, block_ids, embed)
+    torch.testing.assert_close(flex, dense, atol=1e-5, rtol=1e-5)
+
+
+# ---------------------------------------------------------------------------- loss
+
+
+def test_loss_labels_and_decay_weights(tiny):
+    """Slot k of the block at anchor a is scored against input_ids[a + k], weighted exp(-(k-1)/gamma),
+    only where a + k is supervised and inside the sequence."""
+    spec, head, _ = tiny
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(spec).eval()
+    n, s, gamma, bs = 2, 20, 3.0, spec.block_size
+    ids = torch.randint(0, spec.vocab_size, (n, s))
+    loss_mask = torch.zeros(n, s, dtype=torch.bool)
+    loss_mask[0, 4:20] = True
+    loss_mask[1, 6:14] = True  # sequence 1 is 14 tokens long, then padding
+    lengths = torch.tensor([20, 14])
+    batch = {"hidden_states": features(n, s, spec).to(torch.bfloat16), "input_ids": ids,
+             "loss_mask": loss_mask, "lengths": lengths}
+    with torch.no_grad():
+        out = dflash_loss(drafter, head, batch, num_anchors=4, gamma=gamma, generator=torch.Generator().manual_seed(7))
+    anchors, valid = sample_anchors(loss_mask, 4, torch.Generator().manual_seed(7))
+
+    num = den = 0.0
+    count = torch.zeros(bs - 1)
+    correct = torch.zeros(bs - 1)
+    with torch.no_grad():
+        for b in range(n):
+            for a in anchors[b][valid[b]].tolist():
+                block = torch.full((1, bs), spec.mask_token_id)
+                block[0, 0] = ids[b, a]
+                context = drafter.context_kv(batch["hidden_states"][b : b + 1, :a], torch.arange(a)[None])
+                logits = head.logits(drafter(head.embed(block), (a + torch.arange(bs))[None], context))[0]
+                for k in range(1, bs):
+                    if a + k < lengths[b] and loss_mask[b, a + k]:
+                        w = math.exp(-(k - 1) / gamma)
+                        num += w * F.cross_entropy(logits[k], ids[b, a + k]).item()
+                        den += w
+                        count[k - 1] += 1
+                        correct[k - 1] += float(logits[k].argmax() == ids[b, a + k])
+    assert out.loss.item() == pytest.approx(num / den, rel=1e-4)
+    assert out.weight.item() == pytest.approx(den, rel=1e-5)
+    assert out.count.tolist() == count.tolist() and out.correct.tolist() == correct.tolist()
+    assert count[-1] < count[0]  # anchors near the end of sequence 1 lose their last slots
+
+
+def test_loss_backpropagates_only_into_drafter(tiny):
+    spec, head, _ = tiny
+    drafter = DFlashDrafter(spec)
+    ids = torch.randint(0, spec.vocab_size, (1, 12))
+    batch = {"hidden_states": features(1, 12, spec), "input_ids": ids,
+             "loss_mask": torch.ones(1, 12, dtype=torch.bool), "lengths": torch.tensor([12])}
+    dflash_loss(drafter, head, batch, num_anchors=3, gamma=7.0).loss.backward()
+    assert all(p.grad is not None for p in drafter.parameters())
+    assert not head.embed_weight.requires_grad and head.embed_weight.grad is None
+
+
+def test_expected_acceptance():
+    assert expected_acceptance([]) == 1.0
+    assert expected_acceptance([1.0, 1.0, 1.0]) == 4.0
+    assert expected_acceptance([0.5, 0.5]) == pytest.approx(1 + 0.5 + 0.25)
+    assert expected_acceptance([0.0, 1.0]) == 1.0
+
+
+# ---------------------------------------------------------------------------- frozen head
+
+
+def test_head_from_safetensors_is_the_targets(tiny):
+    _, head, target = tiny
+    assert torch.equal(head.embed_weight, target.get_input_embeddings().weight)
+    assert head.lm_head_weight is head.embed_weight  # tie_word_embeddings
+    h = torch.randn(3, 64)
+    torch.testing.assert_close(head.logits(h), target.lm_head(h))
+
+
+# ---------------------------------------------------------------------------- export
+
+
+def test_export_format(tiny, tmp_path):
+    spec = tiny[0]
+    drafter = DFlashDrafter(spec)
+    out = export_drafter(drafter, spec, tmp_path / "export")
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["DFlashDraftModel"] and config["model_type"] == "qwen3"
+    assert config["block_size"] == 4 and config["num_target_layers"] == 6
+    assert config["dflash_config"] == {"mask_token_id": spec.mask_token_id, "target_layer_ids": LAYERS}
+    assert (config["hidden_size"], config["num_hidden_layers"], config["head_dim"]) == (64, 2, 16)
+    with safe_open(out / "model.safetensors", "pt") as f:
+        keys = set(f.keys())
+    assert {"fc.weight", "hidden_norm.weight", "norm.weight"} <= keys
+    assert not any("embed" in k or "lm_head" in k or "rotary" in k for k in keys)
+    per_layer = {"self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+                 "self_attn.o_proj.weight", "self_attn.q_norm.weight", "self_attn.k_norm.weight",
+                 "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
+                 "input_layernorm.weight", "post_attention_layernorm.weight"}
+    assert keys == {"fc.weight", "hidden_norm.weight", "norm.weight"} | {
+        f"layers.{i}.{name}" for i in range(2) for name in per_layer}
+    assert set(drafter_state(drafter)) == keys
+
+
+@torch.no_grad()
+def test_export_reload_gives_identical_logits(tiny, tmp_path):
+    spec, head, _ = tiny
+    torch.manual_seed(3)
+    drafter = DFlashDrafter(spec).eval()
+    for p in drafter.parameters():  # RMSNorm weights start at 1; make every tensor matter
+        p.add_(0.01 * torch.randn_like(p))
+    reloaded, spec2 = load_drafter(export_drafter(drafter, spec, tmp_path / "export"))
+    assert spec2 == spec
+    ctx = features(1, 10, spec)
+    block = torch.tensor([[5, spec.mask_token_id, spec.mask_token_id, spec.mask_token_id]])
+    pos = torch.arange(10, 14)[None]
+
+    def logits(model):
+        return head.logits(model(head.embed(block), pos, model.context_kv(ctx, torch.arange(10)[None])))
+
+    assert torch.equal(logits(reloaded.eval()), logits(drafter))
+
+
+def test_export_command_from_checkpoint(tiny, tmp_path, capsys):
+    from dflash_stream.cli import main
+
+    spec = tiny[0]
+    drafter = DFlashDrafter(spec)
+    ckpt = tmp_path / "run" / "checkpoints" / "step-5"
+    ckpt.mkdir(parents=True)
+    save_checkpoint_drafter(drafter, spec, ckpt)
+    (ckpt / "COMPLETE").write_text("")
+    for source in (ckpt, tmp_path / "run"):  # a checkpoint, or a run folder (its latest checkpoint)
+        out = tmp_path / f"export-{source.name}"
+        assert main(["export", str(source), "--out", str(out)]) == 0
+        reloaded, _ = load_drafter(out)
+        for name, t in drafter_state(drafter).items():
+            assert torch.equal(drafter_state(reloaded)[name], t)
+    assert main(["export", str(tmp_path / "nothing"), "--out", str(tmp_path / "x")]) == 1
+    assert "neither a trainer checkpoint" in capsys.readouterr().err

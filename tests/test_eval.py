@@ -1,0 +1,212 @@
+"""Speculative evaluation: output identical to the target's greedy output, reports, and evidence of learning."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import yaml
+
+from dflash_stream.config import ConfigError, TargetConfig, config_from_dict
+from dflash_stream.drafter import (
+    DFlashDrafter,
+    build_spec,
+    dflash_loss,
+    evaluate,
+    export_drafter,
+    load_target_head,
+)
+from dflash_stream.drafter.evaluate import read_prompts, render_prompt, stop_token_ids
+from dflash_stream.drafter.head import TargetHead
+from dflash_stream.drafter.speculative import greedy_generate, speculative_generate
+from dflash_stream.target import load_target_config
+
+LAYERS = [1, 3, 5]
+PROMPTS = [
+    {"prompt": "Write a haiku about rain."},
+    {"messages": [{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "4"}]},
+    {"prompt": "Name three colours."},
+    {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Explain gravity."}]},
+]
+
+
+@pytest.fixture(scope="module")
+def chaotic_target_dir(tiny_target_dir, tmp_path_factory):
+    """The tiny target with its matrices scaled up: at the default init a random Llama greedily repeats one
+    token, which would make drafting trivial; scaled, its greedy output varies with the prompt."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_target_dir)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim == 2:
+                p.mul_(6.0)
+    out = tmp_path_factory.mktemp("chaotic-target")
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(tiny_target_dir).save_pretrained(out)
+    return out
+
+
+def make_cfg(target_dir):
+    return config_from_dict({
+        "output_dir": "unused",
+        "target": {"model": str(target_dir), "layer_ids": LAYERS, "device": "cpu"},
+        "data": {"sources": [{"path": "unused.jsonl"}]},
+        "store": {"path": "unused", "budget": "1GB"},
+        "drafter": {"num_layers": 1, "block_size": 4},
+    })
+
+
+@pytest.fixture(scope="module")
+def setup(chaotic_target_dir, tmp_path_factory):
+    cfg = make_cfg(chaotic_target_dir)
+    spec = build_spec(cfg, load_target_config(cfg.target), LAYERS)
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(spec)
+    untrained = export_drafter(drafter, spec, tmp_path_factory.mktemp("untrained"))
+    return cfg, spec, drafter, untrained
+
+
+REQUIRED = {"acceptance_length", "matches_target", "speedup", "prompts", "acceptance_histogram"}
+NEW_TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def untrained_result(setup):
+    cfg, _, _, untrained = setup
+    return evaluate(cfg, untrained, PROMPTS, NEW_TOKENS)
+
+
+def test_untrained_drafter_reproduces_target_greedy(untrained_result):
+    result = untrained_result
+    assert set(result) >= REQUIRED
+    assert result["matches_target"] and all(p["matches_target"] for p in result["prompts"])
+    assert len(result["prompts"]) == 4 and all(p["new_tokens"] == NEW_TOKENS for p in result["prompts"])
+    assert result["acceptance_length"] == pytest.approx(1.0)  # random drafts are never accepted
+    assert sum(result["acceptance_histogram"]) == 4 * (NEW_TOKENS - 1) and len(result["acceptance_histogram"]) == 4
+
+
+def test_overfit_drafter_accepts_and_stays_exact(setup, untrained_result, chaotic_target_dir, tmp_path):
+    """Evidence it learns: trained on the target's own answers to a few prompts, the drafter's acceptance
+    length on those prompts rises well above the untrained drafter's, and the output stays the target's."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    cfg, spec, drafter, _ = setup
+    target = AutoModelForCausalLM.from_pretrained(chaotic_target_dir).eval()
+    tokenizer = AutoTokenizer.from_pretrained(chaotic_target_dir)
+    stops = stop_token_ids(target, tokenizer)
+    pairs = []
+    for row in PROMPTS:
+        prompt = render_prompt(tokenizer, row)
+        pairs.append((prompt, greedy_generate(target, torch.tensor([prompt]), NEW_TOKENS, stops).tokens))
+
+    n, s = len(pairs), max(len(p) + len(r) for p, r in pairs)
+    input_ids = torch.zeros(n, s, dtype=torch.long)
+    loss_mask = torch.zeros(n, s, dtype=torch.bool)
+    for i, (prompt, response) in enumerate(pairs):
+        input_ids[i, : len(prompt) + len(response)] = torch.tensor(prompt + response)
+        loss_mask[i, len(prompt) : len(prompt) + len(response)] = True
+    with torch.no_grad():
+        states = target(input_ids, output_hidden_states=True).hidden_states
+    batch = {
+        "hidden_states": torch.cat([states[i + 1] for i in LAYERS], dim=-1).to(torch.bfloat16),
+        "input_ids": input_ids, "loss_mask": loss_mask, "lengths": torch.tensor([len(p) + len(r) for p, r in pairs]),
+    }
+    head = load_target_head(cfg.target, "cpu")
+    model = DFlashDrafter(spec)
+    model.load_state_dict(drafter.state_dict())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(60):
+        out = dflash_loss(model, head, batch, num_anchors=64, gamma=7.0, generator=generator)
+        optimizer.zero_grad()
+        out.loss.backward()
+        optimizer.step()
+    trained = export_drafter(model, spec, tmp_path / "trained")
+
+    after = evaluate(cfg, trained, PROMPTS, NEW_TOKENS)
+    assert after["matches_target"]
+    assert untrained_result["acceptance_length"] < 1.2
+    assert after["acceptance_length"] > 2.5, after["acceptance_histogram"]
+
+
+def test_prompt_files(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in PROMPTS) + "\n\n")
+    assert read_prompts(path) == PROMPTS
+    path.write_text(json.dumps(PROMPTS[0]) + "\n{not json\n")
+    with pytest.raises(ConfigError, match=r"prompts.jsonl:2: not valid JSON"):
+        read_prompts(path)
+    with pytest.raises(ConfigError, match="prompts file not found"):
+        read_prompts(tmp_path / "missing.jsonl")
+
+
+def test_render_prompt_drops_reference_answer(tiny_target_dir):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_target_dir)
+    text = tokenizer.decode(render_prompt(tokenizer, PROMPTS[1]))
+    assert "What is 2+2?" in text and text.rstrip().endswith("assistant") and "4<|im_end|>" not in text
+    with pytest.raises(ConfigError, match="no_user_turn"):
+        render_prompt(tokenizer, {"messages": [{"role": "assistant", "content": "hi"}]})
+
+
+def test_eval_command_json(setup, tmp_path, capsys):
+    from dflash_stream.cli import main
+
+    cfg, _, _, untrained = setup
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps(r) for r in PROMPTS[:2]))
+    args = ["eval", "--drafter", str(untrained), "--config", str(config), "--prompts", str(prompts),
+            "--max-new-tokens", "6", "--json"]
+    assert main(args) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert set(result) >= REQUIRED and result["matches_target"] and len(result["prompts"]) == 2
+    assert main(args[:-1] + ["--eval.num_prompts=1"]) == 0
+    assert "acceptance length tau" in capsys.readouterr().out
+
+
+@pytest.fixture(scope="module")
+def real_target(demo_model):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder, gguf = demo_model
+    return AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf).eval(), AutoTokenizer.from_pretrained(
+        folder, gguf_file=gguf
+    )
+
+
+@pytest.mark.slow
+def test_head_from_gguf_matches_transformers(demo_model, real_target):
+    """The frozen head read from the GGUF file alone equals what transformers loads with the whole model."""
+    folder, gguf = demo_model
+    model = real_target[0]
+    head = load_target_head(TargetConfig(model=str(folder), gguf_file=gguf), "cpu")
+    assert head.embed_weight.shape == (49152, 576)
+    torch.testing.assert_close(head.embed_weight, model.get_input_embeddings().weight)
+    torch.testing.assert_close(head.lm_head_weight, model.get_output_embeddings().weight)
+
+
+@pytest.mark.slow
+def test_real_target_output_is_identical(demo_model, real_target):
+    """On SmolLM2 (GGUF), speculative decoding reproduces the target's greedy tokens exactly."""
+    folder, gguf = demo_model
+    target, tokenizer = real_target
+    cfg = config_from_dict({
+        "output_dir": "unused", "target": {"model": str(folder), "gguf_file": gguf, "num_capture_layers": 5},
+        "data": {"sources": [{"path": "unused.jsonl"}]}, "store": {"path": "unused", "budget": "1GB"},
+        "drafter": {"num_layers": 1, "block_size": 8},
+    })
+    spec = build_spec(cfg, target.config, [1, 7, 14, 20, 27], tokenizer)
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(spec).eval()
+    head = TargetHead.from_model(target)
+    stops = stop_token_ids(target, tokenizer)
+    for row in PROMPTS[:2]:
+        ids = torch.tensor([render_prompt(tokenizer, row)])
+        base = greedy_generate(target, ids, 12, stops)
+        fast = speculative_generate(target, drafter, head, ids, 12, stops)
+        assert fast.tokens == base.tokens and len(base.tokens) > 1

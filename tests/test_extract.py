@@ -1,0 +1,197 @@
+"""The extractor against the real store, on the tiny target: exactly what the data produced, once per pass,
+across restarts, out-of-memory retries and regeneration; NaN refused; the `extract` command."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections import Counter
+from importlib.resources import files
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from dflash_stream.config import config_from_dict
+from dflash_stream.observe.metrics import MetricsWriter, read_metrics
+from dflash_stream.pipeline.common import open_store
+from dflash_stream.pipeline.extractor import Extractor, NonFiniteStates
+from dflash_stream.pipeline.roles import RoleInfo
+from dflash_stream.target import load_target
+from dflash_stream.target.capture import LayerCapture
+
+DEMO = Path(str(files("dflash_stream") / "demo_data"))
+LAYERS = [0, 2, 4]
+ROLE = RoleInfo("extractor", 0, 1, 0, 1)
+
+
+def make_cfg(tmp_path: Path, target_dir: Path, **data) -> dict:
+    return {
+        "output_dir": str(tmp_path / "out"),
+        "target": {"model": str(target_dir), "device": "cpu", "layer_ids": LAYERS},
+        "data": {"sources": [{"path": str(DEMO / "sharegpt_chats.jsonl")}, {"path": str(DEMO / "openai_messages.jsonl")}],
+                 "max_length": 256, **data},
+        "extract": {"batch_tokens": 1024, "queue_size": 2},
+        "store": {"path": str(tmp_path / "store"), "budget": "20MB", "segment_bytes": 120_000},
+        "drafter": {"block_size": 4},
+    }
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_target_dir):
+    from dflash_stream.config import TargetConfig
+
+    return load_target(TargetConfig(model=str(tiny_target_dir), device="cpu"), torch.device("cpu"))
+
+
+def start(tree: dict, target, store=None) -> tuple[Extractor, object]:
+    cfg = config_from_dict(tree)
+    store = store or open_store(cfg, LAYERS, 64)
+    metrics = MetricsWriter(cfg.output_dir, "extractor", 0)
+    return Extractor(cfg, ROLE, store, metrics, torch.device("cpu"), target=target), store
+
+
+def drain(store, consumer_id: str = "check") -> list:
+    """Claim, read and release every ready segment (a trainer, minus the training)."""
+    consumer = store.consumer(consumer_id)
+    out = []
+    while (claim := consumer.claim(timeout=0)) is not None:
+        out.extend((claim.pass_index, s) for s in consumer.read(claim))
+        consumer.release([claim])
+    return out
+
+
+def test_every_pass_stores_every_kept_sample_once(tmp_path, tiny_target_dir, tiny):
+    tree = make_cfg(tmp_path, tiny_target_dir)
+    tree["train"] = {"epochs": 2, "epoch_source": "reextract"}
+    extractor, store = start(tree, tiny)
+    store.set_expected_writers(1)
+    assert extractor.run() is True and store.end_of_data
+    expected = json.loads((tmp_path / "out" / "data" / "report-0.json").read_text())["sample_ids"]
+    stored = drain(store)
+    per_pass = Counter(p for p, _ in stored)
+    assert per_pass == {0: len(expected), 1: len(expected)}
+    assert Counter(s.sample_id for _, s in stored) == Counter({i: 2 for i in expected})
+    assert extractor.samples_written == 2 * len(expected)
+    assert extractor.tokens_written == sum(len(s.input_ids) for _, s in stored)
+
+    # What the store holds is the target's output for that sample alone, with its ids and mask.
+    prepared = {s.sample_id: s for s in extractor.samples}
+    capture = LayerCapture(tiny[0], LAYERS)
+    for _, sample in stored[:3]:
+        source = prepared[sample.sample_id]
+        assert sample.input_ids.tolist() == source.input_ids.tolist()
+        assert sample.loss_mask.tolist() == source.loss_mask.tolist()
+        ids = torch.from_numpy(source.input_ids).long()[None]
+        alone = capture(ids, torch.ones_like(ids))[0]
+        torch.testing.assert_close(sample.hidden_states, alone, atol=2e-2, rtol=2e-2)
+
+    events = [e for e in read_metrics(tmp_path / "out") if e["event"] == "extract"]
+    assert events[-1]["samples"] == events[-1]["samples_total"] == 2 * len(expected)
+    assert {"tokens", "tok_s", "backpressure_s"} <= set(events[-1])
+
+
+def test_restart_mid_extraction_writes_nothing_twice_and_misses_nothing(tmp_path, tiny_target_dir, tiny):
+    tree = make_cfg(tmp_path, tiny_target_dir)
+    tree["store"]["budget"] = "700KB"
+    first, store = start(tree, tiny)
+    store.set_expected_writers(1)
+    assert first.run(until_full=True) is False  # the buffer filled up
+    written_before_crash = first.samples_written
+    assert 0 < written_before_crash < len(first.samples)
+    del first  # a crash: its unwritten batches are gone
+
+    # The restarted extractor alternates with a consumer, as single-process mode does.
+    consumed = drain(store)
+    second, store = start(tree, tiny, store)
+    rounds = 0
+    while not second.run(until_full=True):
+        consumed += drain(store)
+        rounds += 1
+    consumed += drain(store)
+    assert rounds >= 1
+    ids = [s.sample_id for _, s in consumed]
+    assert Counter(ids).most_common(1)[0][1] == 1
+    assert set(ids) == {s.sample_id for s in second.samples}
+    assert second.samples_written == len(second.samples) - written_before_crash
+
+
+def test_out_of_memory_halves_the_budget_and_loses_no_batch(tmp_path, tiny_target_dir, tiny, caplog):
+    extractor, store = start(make_cfg(tmp_path, tiny_target_dir), tiny)
+    real = extractor.capture
+    seen = []
+
+    def small_device(ids, mask):  # a device that cannot hold more than 300 tokens at once
+        if ids.numel() > 300:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        seen.append(ids.shape[0])
+        return real(ids, mask)
+
+    extractor.capture = small_device
+    with caplog.at_level(logging.WARNING, logger="dflash_stream"):
+        assert extractor.run() is True
+    assert extractor.batch_tokens <= 300 and "out of memory" in caplog.text
+    assert sum(seen) == len(extractor.samples)
+    assert sorted(s.sample_id for _, s in drain(store)) == sorted(s.sample_id for s in extractor.samples)
+
+
+def test_non_finite_states_are_an_error_naming_the_sample(tmp_path, tiny_target_dir):
+    from dflash_stream.config import TargetConfig
+
+    model, tokenizer = load_target(TargetConfig(model=str(tiny_target_dir), device="cpu"), torch.device("cpu"))
+    model.model.layers[0].mlp.down_proj.weight.data[0, 0] = float("nan")
+    extractor, _ = start(make_cfg(tmp_path, tiny_target_dir), (model, tokenizer))
+    with pytest.raises(NonFiniteStates, match=r"sample \d+ \((sharegpt_chats|openai_messages)\.jsonl#\d+\)"):
+        extractor.run()
+
+
+def test_regenerated_responses_are_extracted_and_cached(tmp_path, tiny_target_dir, tiny):
+    tree = make_cfg(tmp_path, tiny_target_dir, regenerate=True, min_supervised_tokens=4,
+                    generation={"max_new_tokens": 12, "batch_size": 4})
+    tree["data"]["sources"] = [{"path": str(DEMO / "prompts_only.jsonl"), "limit": 6}]
+    extractor, store = start(tree, tiny)
+    assert extractor.run() is True
+    stored = {s.sample_id: s for _, s in drain(store)}
+    assert len(stored) == 6
+    for prompt in extractor.samples:
+        sample = stored[prompt.sample_id]
+        n = prompt.num_tokens
+        assert sample.input_ids[:n].tolist() == prompt.input_ids.tolist()
+        assert not sample.loss_mask[:n].any() and sample.loss_mask[n:].all() and len(sample.input_ids) > n
+    cache = list((tmp_path / "out" / "data").glob("responses-*.jsonl"))
+    assert len(cache) == 1 and len(cache[0].read_text().splitlines()) == 6
+
+    # A later extraction (new store, same output) reuses the responses instead of generating again.
+    model, tokenizer = tiny
+    tree["store"]["path"] = str(tmp_path / "store2")
+
+    def no_generation(*args, **kwargs):
+        raise AssertionError("generate() called although every response is cached")
+
+    again, store2 = start(tree, (model, tokenizer))
+    model.generate, real_generate = no_generation, model.generate
+    try:
+        assert again.run() is True
+    finally:
+        model.generate = real_generate
+    assert {s.sample_id: s.input_ids.tolist() for _, s in drain(store2)} == \
+        {i: s.input_ids.tolist() for i, s in stored.items()}
+
+
+@pytest.mark.slow
+def test_extract_command(tmp_path, tiny_target_dir):
+    from dflash_stream.cli import main
+
+    config = tmp_path / "extract.yaml"
+    config.write_text(yaml.safe_dump(make_cfg(tmp_path, tiny_target_dir)))
+    assert main(["extract", "--config", str(config), "--extract.batch_tokens=512"]) == 0
+    out = tmp_path / "out"
+    expected = json.loads((out / "data" / "report-0.json").read_text())["sample_ids"]
+    cfg = config_from_dict(yaml.safe_load((out / "config.yaml").read_text()))
+    assert cfg.extract.batch_tokens == 512
+    store = open_store(cfg, LAYERS, 64, create=False)
+    assert store.end_of_data
+    assert sorted(s.sample_id for _, s in drain(store)) == sorted(expected)
+    end = [e for e in read_metrics(out) if e["event"] == "end"]
+    assert end and end[0]["summary"]["samples"] == len(expected)

@@ -1,0 +1,172 @@
+"""`plan` figures against hand computations, and the TensorBoard seam of the trainer's metrics."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import socket
+from pathlib import Path
+
+import pytest
+import yaml
+
+from dflash_stream.cli import main
+from dflash_stream.config import load_config
+from dflash_stream.observe.metrics import TrainingTracker, read_metrics
+from dflash_stream.observe.plan import build_plan
+
+MIB = 2**20
+
+
+def _config(tmp_path: Path, tree: dict) -> Path:
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(tree))
+    return path
+
+
+def test_plan_headline_64_layers(tmp_path: Path, capsys) -> None:
+    """Qwen3.6-27B class: 64 layers, hidden 5120, 5 layers, 914k samples of 1,000 tokens, 6 epochs (reuse)."""
+    path = _config(tmp_path, {
+        "output_dir": str(tmp_path / "out"),
+        "target": {"model": "Qwen/Qwen3.6-27B", "num_layers": 64, "hidden_size": 5120},
+        "data": {"sources": [{"path": "org/hub-dataset"}]},
+        "store": {"path": str(tmp_path / "store"), "budget": "200GB", "codec": "lossless"},
+        "train": {"epochs": 6},
+    })
+    plan = build_plan(load_config(path), samples=914_000, mean_tokens=1000, processes=4)
+    assert plan["target"]["layer_ids"] == [1, 16, 31, 46, 61]
+    assert plan["target"]["source"].startswith("config")
+    v = plan["volume"]
+    assert v["raw_bytes_per_token"] == 51_200
+    assert v["raw_bytes_per_sample"] == 51_200_000
+    assert v["stored_bytes_per_token"] == pytest.approx(51_200 / 1.44 + 5)
+    tokens = 914_000 * 1000
+    assert v["full_dump_raw_bytes"] == pytest.approx(tokens * 51_205)  # 46.8 TB: states + ids + mask
+    b = plan["buffer"]
+    segment_stored = 64 * MIB * (51_200 / 1.44 + 5) / 51_205
+    assert b["segments_in_budget"] == int(200e9 // segment_stored)
+    assert b["segments_per_pass"] == math.ceil(tokens * 51_205 / (64 * MIB))
+    assert b["wraps"] == pytest.approx(tokens * (51_200 / 1.44 + 5) / 200e9)
+    # Four processes, one trainer by default: three extractors stream beside it.
+    t = plan["time"]
+    assert t["overlapped"] and t["phases"]["extract"]["processes"] == 3
+    assert t["total_seconds"] == max(t["phases"]["extract"]["seconds"], t["phases"]["train"]["seconds"])
+    assert "estimated" in t["phases"]["extract"]["source"]
+    e = plan["epochs"]
+    assert e["reextract"]["extract_seconds"] == pytest.approx(6 * e["reuse"]["extract_seconds"])
+    assert e["reextract"]["bytes_written"] == pytest.approx(6 * v["full_dump_stored_bytes"])
+
+    assert main(["plan", "--config", str(path), "--samples", "914000", "--mean-tokens", "1000", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["volume"]["raw_bytes_per_token"] == 51_200
+    assert main(["plan", "--config", str(path), "--samples", "914000"]) == 0
+    page = capsys.readouterr().out
+    assert "51,200 B" in page and "[1, 16, 31, 46, 61]" in page and "DESIGN.md" in page
+
+
+def test_plan_local_model_local_data_and_tune(tmp_path: Path) -> None:
+    """A local 28-layer, 2048-wide target; rows counted in a local jsonl; tune's measurements picked up."""
+    from transformers import LlamaConfig
+
+    model = tmp_path / "model"
+    LlamaConfig(num_hidden_layers=28, hidden_size=2048, intermediate_size=6144, vocab_size=32000,
+                num_attention_heads=16).save_pretrained(model)
+    rows = tmp_path / "chat.jsonl"
+    rows.write_text("".join(json.dumps({"messages": []}) + "\n" for _ in range(50)))
+    out = tmp_path / "out"
+    path = _config(tmp_path, {
+        "output_dir": str(out),
+        "target": {"model": str(model), "num_capture_layers": 3},
+        "data": {"sources": [{"path": str(rows)}, {"path": str(rows), "limit": 20, "name": "again", "weight": 2}], "max_length": 2048},
+        "store": {"path": str(tmp_path / "new" / "store"), "budget": "1GiB", "codec": "fp8",
+                  "segment_bytes": "16MiB"},
+    })
+    cfg = load_config(path)
+    out.mkdir()
+    # Layer ids for 28 layers, 3 captured: start 1, end 25 -> [1, 13, 25].
+    tune = {"layer_ids": [1, 13, 25], "hidden_size": 2048, "samples": 8, "tokens": 4000, "mean_tokens": 500.0,
+            "compression": {"fp8": 2.5, "lossless": 1.5}, "extract_tok_s": 1000.0, "train_tok_s": 250.0,
+            "device": "cpu"}
+    (out / "tune.json").write_text(json.dumps(tune))
+
+    plan = build_plan(cfg)
+    assert plan["target"]["source"].endswith("config.json")
+    assert plan["target"]["layer_ids"] == [1, 13, 25]
+    assert plan["data"]["samples"] == 50 + 2 * 20 and "rows counted" in plan["data"]["samples_source"]
+    assert plan["data"]["mean_tokens"] == 500.0 and "tune" in plan["data"]["mean_tokens_source"]
+    v = plan["volume"]
+    assert v["raw_bytes_per_token"] == 3 * 2048 * 2 == 12_288
+    assert v["ratio"] == 2.5 and "tune" in v["ratio_source"]
+    assert v["stored_bytes_per_token"] == pytest.approx(12_288 / 2.5 + 5)
+    assert v["full_dump_raw_bytes"] == pytest.approx(90 * 500 * 12_293)
+    assert plan["buffer"]["wraps"] == pytest.approx(90 * 500 * (12_288 / 2.5 + 5) / 2**30)
+    # One process alternates extraction and training, so the phase times add up.
+    t = plan["time"]
+    assert t["phases"]["extract"]["seconds"] == pytest.approx(45_000 / 1000.0)
+    assert t["phases"]["train"]["seconds"] == pytest.approx(45_000 / 250.0)
+    assert t["total_seconds"] == pytest.approx(45.0 + 180.0)
+    assert "tune" in t["phases"]["train"]["source"]
+    # The store folder does not exist yet: free space is measured at its nearest existing parent.
+    assert plan["disk"]["checked"] == str(tmp_path)
+    assert plan["disk"]["headroom_bytes"] == pytest.approx(shutil.disk_usage(tmp_path).free - 2**30, rel=1e-3)
+
+    (out / "tune.json").write_text(json.dumps({**tune, "layer_ids": [2, 13, 25]}))
+    other = build_plan(cfg)
+    assert other["volume"]["ratio"] == 2.4 and any("another target" in w for w in other["warnings"])
+
+
+def test_plan_warns_on_small_budget_and_hub_model(tmp_path: Path, capsys) -> None:
+    base = {"output_dir": str(tmp_path / "out"), "data": {"sources": [{"path": "org/data", "limit": 100}]},
+            "store": {"path": str(tmp_path / "store"), "budget": "10MiB"}}
+    tree = {**base, "target": {"model": "org/not-downloaded"}}
+    assert main(["plan", "--config", str(_config(tmp_path, tree))]) == 2
+    assert "target.num_layers" in capsys.readouterr().err
+    tree = {**base, "target": {"model": "org/m", "num_layers": 36, "hidden_size": 4096}}
+    plan = build_plan(load_config(_config(tmp_path, tree)))
+    assert plan["target"]["layer_ids"] == [1, 9, 17, 25, 33]
+    assert plan["data"]["samples"] == 100 and "limit" in plan["data"]["samples_source"]
+    assert any("under two worst-case segments" in w for w in plan["warnings"])
+
+
+def test_training_tracker_writes_jsonl_and_tensorboard(tmp_path: Path) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tracker = TrainingTracker(tmp_path, "trainer", 0, tensorboard=True)
+    tracker.log("start", config={})
+    for step in (10, 20):
+        tracker.log("train", step=step, loss=3.0 / step, acc=[0.5, 0.25], tau=1.5, lr=1e-4, tokens=100 * step,
+                    tok_s=50.0, data_wait_s=0.0, epoch=0)
+    tracker.log("checkpoint", step=20, path="x", released=1)
+    tracker.close()
+    events = read_metrics(tmp_path)
+    assert [e["event"] for e in events] == ["start", "train", "train", "checkpoint"]
+    assert events[0]["pid"] == os.getpid() and events[0]["host"] == socket.gethostname()
+    assert events[2]["acc"] == [0.5, 0.25]
+    acc = EventAccumulator(str(tmp_path / "tensorboard" / "trainer-0"))
+    acc.Reload()
+    assert [(s.step, s.value) for s in acc.Scalars("train/loss")] == [(10, pytest.approx(0.3)), (20, pytest.approx(0.15))]
+    assert [s.value for s in acc.Scalars("acc/slot_02")] == [0.25, 0.25]
+    assert "train/checkpoint" not in acc.Tags()["scalars"]
+    # Other ranks write JSONL only.
+    TrainingTracker(tmp_path, "trainer", 1, tensorboard=True).close()
+    assert not (tmp_path / "tensorboard" / "trainer-1").exists()
+
+
+def test_plan_counts_rows_like_the_data_loader(tmp_path: Path) -> None:
+    """A folder of .json (a list, and JSON Lines under a .json name) and .jsonl files, and a parquet file."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    folder = tmp_path / "rows" / "nested"
+    folder.mkdir(parents=True)
+    (folder / "a.json").write_text(json.dumps([{"text": "x"}] * 3))
+    (folder / "b.json").write_text(json.dumps({"text": "y"}) + "\n" + json.dumps({"text": "z"}) + "\n")
+    (tmp_path / "rows" / "c.jsonl").write_text("".join(json.dumps({"text": i}) + "\n" for i in range(4)) + "\n")
+    pq.write_table(pa.table({"text": ["p"] * 6}), tmp_path / "more.parquet")
+    tree = {"output_dir": str(tmp_path / "out"),
+            "target": {"model": "org/m", "num_layers": 36, "hidden_size": 4096},
+            "data": {"sources": [{"path": str(tmp_path / "rows")}, {"path": str(tmp_path / "more.parquet")}]},
+            "store": {"path": str(tmp_path / "store"), "budget": "10GiB"}}
+    plan = build_plan(load_config(_config(tmp_path, tree)))
+    assert plan["data"]["samples"] == 3 + 2 + 4 + 6

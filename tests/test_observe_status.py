@@ -1,0 +1,210 @@
+"""`status` and `report` on realistic metrics folders: a finished, a running and a crashed run."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+from matplotlib.image import imread
+
+from dflash_stream.cli import main
+from dflash_stream.observe.metrics import read_metrics
+from dflash_stream.observe.report import build_figures, write_report
+from dflash_stream.observe.status import collect_status
+
+BUDGET = 4 * 2**30
+SEGMENT = 2**28
+SLOTS = 15
+STEP_S = 10.0  # one segment per extractor and five trainer steps every STEP_S seconds
+
+
+def write_run(out: Path, pid: int, t0: float, segments: int = 20, total: int = 400, finished: bool = False) -> None:
+    """Metrics of two extractors and one trainer, line for line as the pipeline's MetricsWriter writes them."""
+    lines: dict[str, list[dict]] = defaultdict(list)
+
+    def log(role: str, rank: int, t: float, event: str, **fields) -> None:
+        lines[f"{role}-{rank}"].append({"time": t, "role": role, "rank": rank, "event": event, **fields})
+
+    for role, rank in (("extractor", 0), ("extractor", 1), ("trainer", 0)):
+        log(role, rank, t0, "start", pid=pid, host=socket.gethostname(), config={})
+    used = written = released = 0
+    for i in range(1, segments + 1):
+        t = t0 + STEP_S * i
+        for rank in (0, 1):
+            log("extractor", rank, t, "extract", samples=8 * i, tokens=2400 * i, samples_total=total // 2,
+                tok_s=240.0 + rank, backpressure_s=max(0.0, 2.0 * (i - 10)))
+        written += 2
+        used = min(BUDGET, used + 2 * SEGMENT)
+        if i % 4 == 0:
+            released += 4
+            used -= 4 * SEGMENT // 2
+        log("extractor", 0, t + 0.1, "store", used_bytes=used, reserved_bytes=SEGMENT // 2, budget_bytes=BUDGET,
+            ready=written - released - 1, claimed=1, segments_written=written, segments_released=released)
+        log("trainer", 0, t + 0.2, "train", step=5 * i, loss=6.0 * math.exp(-i / 8),
+            acc=[0.8 * 0.9**k * i / segments for k in range(SLOTS)], tau=1.0 + 3.0 * i / segments, lr=6e-4,
+            tokens=4000 * i, tok_s=400.0, data_wait_s=0.5 * i, epoch=0)
+        if i % 4 == 0:
+            ckpt = out / "checkpoints" / f"step-{5 * i}"
+            ckpt.mkdir(parents=True)
+            (ckpt / "COMPLETE").touch()
+            log("trainer", 0, t + 0.3, "checkpoint", step=5 * i, path=str(ckpt), released=4)
+    if finished:
+        for key in list(lines):
+            role, rank = key.rsplit("-", 1)
+            log(role, int(rank), t0 + STEP_S * segments + 1, "end", summary={})
+        (out / "summary.json").write_text(json.dumps({"steps": 5 * segments, "samples": 16 * segments}))
+    (out / "metrics").mkdir(parents=True, exist_ok=True)
+    for key, records in lines.items():
+        (out / "metrics" / f"{key}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_status_running_run_has_progress_eta_and_rates(tmp_path: Path) -> None:
+    now = time.time()
+    write_run(tmp_path, pid=os.getpid(), t0=now - 20 * STEP_S - 5)
+    s = collect_status(tmp_path, now=now)
+    assert s["state"] == "running"
+    x = s["extraction"]
+    assert (x["samples"], x["samples_total"]) == (320, 400)
+    assert x["progress"] == pytest.approx(0.8)
+    # Each extractor makes 8 samples per STEP_S: 2 x 0.8 samples/s, 80 left -> 50 s.
+    assert x["samples_per_s"] == pytest.approx(1.6)
+    assert x["eta_s"] == pytest.approx(50.0)
+    assert x["tok_s"] == pytest.approx(481.0)
+    assert x["backpressure_s"] == pytest.approx(2 * 20.0)
+    b = s["buffer"]
+    assert b["budget_bytes"] == BUDGET
+    assert b["fill"] == pytest.approx((b["used_bytes"] + SEGMENT // 2) / BUDGET)
+    t = s["training"]
+    assert (t["step"], t["tau"], t["data_wait_s"]) == (100, pytest.approx(4.0), pytest.approx(10.0))
+    assert t["loss"] == pytest.approx(6.0 * math.exp(-20 / 8))
+    assert s["checkpoints"] == {"count": 5, "latest_step": 100, "latest": str(tmp_path / "checkpoints" / "step-100")}
+
+
+def test_status_names_a_dead_rank_of_a_running_run(tmp_path: Path) -> None:
+    now = time.time()
+    write_run(tmp_path, pid=os.getpid(), t0=now - 20 * STEP_S - 5)
+    path = tmp_path / "metrics" / "extractor-1.jsonl"
+    path.write_text(path.read_text().replace(f'"pid": {os.getpid()}', f'"pid": {_dead_pid()}'))
+    s = collect_status(tmp_path, now=now)
+    assert s["state"] == "running" and s["state_reason"].endswith("extractor 1 died")
+
+
+def test_status_finished_run_reads_summary(tmp_path: Path, capsys) -> None:
+    write_run(tmp_path, pid=_dead_pid(), t0=time.time() - 3600, finished=True)
+    s = collect_status(tmp_path)
+    assert s["state"] == "finished"
+    assert s["summary"] == {"steps": 100, "samples": 320}
+    assert s["extraction"]["eta_s"] is None
+    assert main(["status", str(tmp_path), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["state"] == "finished"
+
+
+def test_status_crashed_run_dead_pid(tmp_path: Path, capsys) -> None:
+    now = time.time()
+    write_run(tmp_path, pid=_dead_pid(), t0=now - 20 * STEP_S - 5)
+    s = collect_status(tmp_path, now=now)
+    assert s["state"] == "crashed"
+    assert all(r["alive"] is False for r in s["ranks"])
+    assert s["extraction"]["eta_s"] is None
+    assert s["checkpoints"]["latest_step"] == 100
+    assert main(["status", str(tmp_path)]) == 0
+    page = capsys.readouterr().out
+    assert "CRASHED" in page and "step 100" in page and "320 / 400 samples" in page
+
+
+def test_status_other_host_goes_stale(tmp_path: Path) -> None:
+    """Ranks on other hosts cannot be probed: silence beyond the stale limit means stopped."""
+    now = time.time()
+    write_run(tmp_path, pid=1, t0=now - 20 * STEP_S - 5)
+    for path in (tmp_path / "metrics").glob("*.jsonl"):
+        path.write_text(path.read_text().replace(socket.gethostname(), "elsewhere"))
+    assert collect_status(tmp_path, now=now)["state"] == "running"
+    assert collect_status(tmp_path, now=now + 3600)["state"] == "crashed"
+
+
+def test_status_rejects_a_folder_without_metrics(tmp_path: Path, capsys) -> None:
+    assert main(["status", str(tmp_path)]) == 2
+    assert "no metrics/ folder" in capsys.readouterr().err
+
+
+def test_report_pngs_match_metrics(tmp_path: Path) -> None:
+    write_run(tmp_path, pid=_dead_pid(), t0=1_000_000.0, finished=True)
+    events = read_metrics(tmp_path)
+    figs = build_figures(events)
+    assert set(figs) == {"buffer", "rates", "loss", "accuracy"}
+
+    stores = [e for e in events if e["event"] == "store"]
+    used_line, budget_line = figs["buffer"].axes[0].lines
+    assert list(used_line.get_ydata()) == pytest.approx([e["used_bytes"] / 2**30 for e in stores])
+    assert list(budget_line.get_ydata()) == pytest.approx([4.0] * len(stores))
+
+    ext1 = [e for e in events if e["event"] == "extract" and e["rank"] == 1]
+    rates = {line.get_label(): line for line in figs["rates"].axes[0].lines}
+    # 2,400 tokens per STEP_S per extractor; 4,000 per STEP_S for the trainer.
+    assert list(rates["extractor 1 tok/s"].get_ydata()) == pytest.approx([240.0] * 19)
+    assert list(rates["extractor 1 tok/s"].get_xdata()) == pytest.approx([(e["time"] - 1_000_000.0) / 60 for e in ext1[1:]])
+    assert list(rates["trainer 0 tok/s"].get_ydata()) == pytest.approx([400.0] * 19)
+    blocked = {line.get_label(): line for line in figs["rates"].axes[1].lines}
+    assert list(blocked["extractor 1: blocked on full buffer"].get_ydata()) == [e["backpressure_s"] / 60 for e in ext1]
+
+    train = [e for e in events if e["event"] == "train"]
+    loss_line = figs["loss"].axes[0].lines[0]
+    assert list(loss_line.get_xdata()) == [e["step"] for e in train]
+    assert list(loss_line.get_ydata()) == [e["loss"] for e in train]
+    slots = figs["accuracy"].axes[0].lines
+    assert len(slots) == SLOTS
+    assert list(slots[2].get_ydata()) == [e["acc"][2] for e in train]
+
+    paths = write_report(tmp_path)
+    assert sorted(p.name for p in paths) == ["accuracy.png", "buffer.png", "loss.png", "rates.png"]
+    for path in paths:
+        image = imread(path)
+        assert image.shape[0] > 300 and image.shape[1] > 600
+        assert image.std() > 0.05  # not a blank canvas
+
+
+def test_status_prefers_the_live_store(tmp_path: Path, capsys) -> None:
+    """With the store reachable, its own status (not the last metrics line) gives the buffer figures."""
+    import numpy as np
+    import torch
+    import yaml
+
+    from dflash_stream.store import Sample, Store
+
+    now = time.time()
+    write_run(tmp_path, pid=os.getpid(), t0=now - 20 * STEP_S - 5)
+    store_path = tmp_path / "store"
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump({"store": {"path": str(store_path)}}))
+    store = Store.open(store_path, budget=64 * 2**20, codec="lossless", reuse=1,
+                       fingerprint={"layer_ids": [1, 2], "hidden_size": 8}, max_segment_raw_bytes=2**20)
+    samples = [Sample(i, np.arange(10, dtype=np.int32), np.ones(10, dtype=bool),
+                      torch.randn(10, 16).to(torch.bfloat16)) for i in range(3)]
+    store.writer("extractor-0").write(samples)
+    live = store.status()
+
+    b = collect_status(tmp_path, now=now)["buffer"]
+    assert b["source"].startswith("live store status")
+    assert (b["used_bytes"], b["budget_bytes"], b["ready"], b["claimed"]) == (live["used_bytes"], 64 * 2**20, 1, 0)
+    assert b["segments_written"] == 40  # only the metrics count segments ever written
+    assert main(["status", str(tmp_path)]) == 0
+    assert "live store status" in capsys.readouterr().out
+
+
+def test_status_watch_returns_once_the_run_is_over(tmp_path: Path, capsys) -> None:
+    write_run(tmp_path, pid=_dead_pid(), t0=time.time() - 3600, finished=True)
+    assert main(["status", str(tmp_path), "--watch", "--interval", "0.01"]) == 0
+    assert "FINISHED" in capsys.readouterr().out

