@@ -268,6 +268,23 @@ def test_head_from_safetensors_is_the_targets(tiny):
     torch.testing.assert_close(head.logits(h), target.lm_head(h))
 
 
+def test_head_from_sharded_untied_safetensors(tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from dflash_stream.config import TargetConfig
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=500, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    model = LlamaForCausalLM(config)
+    model.save_pretrained(tmp_path, max_shard_size="40KB")
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    head = load_target_head(TargetConfig(model=str(tmp_path)), "cpu", torch.float64)
+    assert head.embed_weight.dtype == torch.float64 and head.lm_head_weight is not head.embed_weight
+    torch.testing.assert_close(head.embed_weight.float(), model.model.embed_tokens.weight)
+    torch.testing.assert_close(head.lm_head_weight.float(), model.lm_head.weight)
+
+
 # ---------------------------------------------------------------------------- export
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import json
 import logging
 import os
 import subprocess
@@ -39,8 +40,9 @@ def make_samples(ids: list[int], lengths: list[int], seed: int = 0) -> list[Samp
     g = torch.Generator().manual_seed(seed)
     out = []
     for sid, n in zip(ids, lengths, strict=True):
-        # Layer 0 small, layer 1 with one massive channel, like a real target's deep layers.
+        # Layer 0 small, layer 1 with one massive channel, like a real target's early and deep layers.
         states = torch.randn(n, len(LAYERS), HIDDEN, generator=g)
+        states[:, 0] *= 0.1
         states[:, 1] *= 60
         states[:, 1, 7] = 2e4
         out.append(Sample(sid, np.arange(sid, sid + n, dtype=np.int32) % 49152, np.arange(n) % 3 > 0,
@@ -271,3 +273,25 @@ def test_disk_full_mid_write_leaves_a_consistent_store(tmp_path, small_chunks, m
     reopened.writer("w").write(make_samples([2], [64]))
     assert reopened.stored_sample_ids() == {0: {1, 2}}
     assert reopened.status()["used_bytes"] >= du(reopened.path)
+
+
+def test_status_and_dump_commands(tmp_path, capsys):
+    from safetensors.torch import load_file
+
+    from dflash_stream.cli import main
+
+    store = open_store(tmp_path / "s")
+    samples = make_samples([5, 6], [10, 20])
+    store.writer("w").write(samples)
+    assert main(["store", "status", str(store.path), "--json"]) == 0
+    status = json.loads(capsys.readouterr().out)
+    assert status["segments"]["ready"] == 1 and status["samples"] == 2 and status["tokens"] == 30
+    assert status["budget_bytes"] == 10**9 and not status["end_of_data"]
+    out = tmp_path / "six.safetensors"
+    assert main(["store", "dump", str(store.path), "--sample-id", "6", "--out", str(out)]) == 0
+    dumped = load_file(out)
+    assert dumped["hidden_states"].dtype == torch.bfloat16
+    assert torch.equal(dumped["hidden_states"].view(torch.int16), samples[1].hidden_states.view(torch.int16))
+    assert dumped["input_ids"].tolist() == samples[1].input_ids.tolist()
+    assert main(["store", "dump", str(store.path), "--sample-id", "99", "--out", str(out)]) == 1
+    assert "sample 99 is not in the store" in capsys.readouterr().err

@@ -41,6 +41,18 @@ def test_captured_states_are_the_decoder_layer_outputs(tiny):
         assert torch.equal(states[..., k * 64:(k + 1) * 64], reference[layer + 1].to(torch.bfloat16))
 
 
+def test_the_last_layer_is_captured_before_the_final_norm(tiny):
+    # transformers 5 replaces hidden_states[-1] with the normed output; layer id L-1 means the layer's own output.
+    model, _ = tiny
+    ids = torch.tensor([[11, 12, 13, 14]])
+    states = LayerCapture(model, [5])(ids, torch.ones_like(ids))
+    with torch.inference_mode():
+        reference = model(ids, output_hidden_states=True).hidden_states
+        normed = model.model.norm(states.float())
+    assert not torch.equal(states, reference[6].to(torch.bfloat16))
+    torch.testing.assert_close(normed, reference[6], atol=3e-2, rtol=3e-2)
+
+
 def test_the_forward_stops_after_the_deepest_selected_layer(tiny):
     model, _ = tiny
     ran = []

@@ -108,6 +108,14 @@ def fill_store(cfg: Config, samples, per_segment: int = 5):
     return store
 
 
+def write_data_report(cfg: Config, samples) -> None:
+    """What the extractors' data stage writes: the ids it kept (the schedule estimate reads the count)."""
+    report = Path(cfg.output_dir) / "data" / "report-0.json"
+    report.parent.mkdir(parents=True, exist_ok=True)
+    ids = [s.sample_id for s in samples]
+    report.write_text(json.dumps({"kept": len(ids), "sample_ids": ids}))
+
+
 def trained_ids(output: Path) -> dict[int, Counter]:
     """Ids per epoch from the ledger up to the latest complete checkpoint (what the audit counts)."""
     upto = ckpt.checkpoint_step(ckpt.latest_checkpoint(output))
@@ -143,12 +151,17 @@ def new_trainer(cfg: Config) -> Trainer:
 def test_loss_goes_down_and_every_sample_is_trained_once_per_epoch(tmp_path, target_dir, samples):
     cfg = make_config(tmp_path, target_dir, epochs=3)
     store = fill_store(cfg, samples[:20])
+    write_data_report(cfg, samples[:20])
     trainer = new_trainer(cfg)
     assert trainer.run() is True
     trainer.close()
-    losses = [e["loss"] for e in read_metrics(cfg.output_dir) if e["event"] == "train"]
+    events = [e for e in read_metrics(cfg.output_dir) if e["event"] == "train"]
+    losses = [e["loss"] for e in events]
     assert len(losses) == trainer.steps
     assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 1.0
+    # The schedule length was estimated from the data report: the cosine ends near the last step.
+    lrs = [e["lr"] for e in events]
+    assert all(lr > 0 for lr in lrs[:-1]) and lrs[-1] < 0.1 * cfg.train.lr
     assert_exactly_once(Path(cfg.output_dir), samples[:20], epochs=3)
     assert_store_drained(store)
     export = trainer.export(tmp_path / "drafter")
@@ -281,6 +294,8 @@ def test_until_idle_trains_what_is_ready_releases_it_and_returns(tmp_path, targe
     trainer.close()
     assert_exactly_once(Path(cfg.output_dir), samples[:20], epochs=1)
     assert_store_drained(store)
+    # No data report: the length was unknown while the store held a part of the data; it never hit zero.
+    assert all(e["lr"] > 0 for e in read_metrics(cfg.output_dir) if e["event"] == "train")
 
 
 def _free_port() -> int:

@@ -79,6 +79,9 @@ def test_schedule_warms_up_decays_and_holds_its_floor_past_the_estimate():
     assert sched(100) == pytest.approx(0.0)
     assert sched(150) == pytest.approx(0.0)  # not back up the cosine
     assert all(sched(s) >= sched(s + 1) for s in range(10, 200))
+    sched.open_ended = True  # the data's size is unknown: past the estimate, assume half done
+    assert sched(50) == pytest.approx(WarmupCosine(100, 0.1)(50))
+    assert 0 < sched(400) == pytest.approx(WarmupCosine(800, 0.1)(400))
 
 
 def _stage(tmp_path, step: int) -> None:

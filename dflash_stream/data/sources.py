@@ -6,8 +6,12 @@ import hashlib
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from dflash_stream.config import ConfigError, DataConfig, SourceConfig
+
+if TYPE_CHECKING:
+    import datasets
 
 LOCAL_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 
@@ -30,7 +34,7 @@ def source_name(source: SourceConfig) -> str:
     return f"{source.path}{subset}:{source.split}"
 
 
-def load_source(source: SourceConfig, index: int):
+def load_source(source: SourceConfig, index: int) -> datasets.Dataset:
     """The source's rows as a `datasets.Dataset`: a local json/jsonl/parquet file or folder, or a hub dataset."""
     import datasets
 

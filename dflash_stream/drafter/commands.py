@@ -35,18 +35,21 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _num(value: float | None, digits: int) -> str:
+    return "n/a" if value is None else f"{value:.{digits}f}"
+
+
 def _format(result: dict) -> str:
     hist = result["acceptance_histogram"]
     lines = [
-        f"acceptance length tau  {result['acceptance_length']:.3f} tokens per target step",
-        f"speedup                {result['speedup']:.2f}x  (target alone {result['target_s']:.2f} s, "
+        f"acceptance length tau  {_num(result['acceptance_length'], 3)} tokens per target step",
+        f"speedup                {_num(result['speedup'], 2)}x  (target alone {result['target_s']:.2f} s, "
         f"speculative {result['speculative_s']:.2f} s, {result['device']})",
         f"output == target's     {result['matches_target']}",
         "accepted drafts/step   " + "  ".join(f"{n}:{c}" for n, c in enumerate(hist) if c),
     ]
     for p in result["prompts"]:
-        tau = p["acceptance_length"]
-        lines.append(f"  prompt {p['index']:>3}  {p['new_tokens']:>4} tokens  tau {tau if tau is None else round(tau, 2)}"
+        lines.append(f"  prompt {p['index']:>3}  {p['new_tokens']:>4} tokens  tau {_num(p['acceptance_length'], 2)}"
                      f"  {'ok' if p['matches_target'] else 'DIFFERS'}")
     return "\n".join(lines)
 

@@ -88,7 +88,9 @@ class Attention(nn.Module):
         k, v = self.kv(x, cos, sin)
         k = torch.cat((context[0], k), dim=2)
         v = torch.cat((context[1], v), dim=2)
-        return self.o_proj(attend(q, k, v, mask).transpose(1, 2).flatten(2))
+        # Under autocast the RMSNorms may hand back float32 q/k beside a bf16 v; the kernels want one dtype.
+        out = attend(q.to(v.dtype), k.to(v.dtype), v, mask)
+        return self.o_proj(out.transpose(1, 2).flatten(2))
 
 
 class MLP(nn.Module):

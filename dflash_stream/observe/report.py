@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import itertools
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
 import matplotlib
+import numpy as np
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -59,11 +59,23 @@ def plot_buffer(events: Events, t0: float) -> Figure | None:
     return fig
 
 
-def interval_rates(events: Events) -> list[float]:
-    """Tokens/s between consecutive events from the cumulative `tokens`: unlike a running average, a stall
-    shows up as a dip. A restarted rank's counter may step back; that interval counts as 0."""
-    return [max(b["tokens"] - a["tokens"], 0) / max(b["time"] - a["time"], 1e-9)
-            for a, b in itertools.pairwise(events)]
+def _bin_edges(groups: list[Events], t0: float, t1: float) -> np.ndarray:
+    """Shared time bins: ~60 over the run, but at least three event gaps of the sparsest rank wide, so a
+    rank that publishes in bursts (one batch, several segments) reads as a rate, not as spikes."""
+    gaps = [(evs[-1]["time"] - evs[0]["time"]) / (len(evs) - 1) for evs in groups if len(evs) > 1]
+    width = max((t1 - t0) / 60, 3 * max(gaps, default=0.0), 1e-3)
+    return np.arange(t0, t1 + width, width)
+
+
+def binned_rates(events: Events, started: float | None, edges: np.ndarray) -> np.ndarray:
+    """Tokens/s per bin from the cumulative `tokens` counter, interpolated at the bin edges; NaN (a gap in
+    the curve) outside the rank's life. A restarted rank's counter may step back: that bin counts as 0."""
+    times = [e["time"] for e in events]
+    tokens = [e["tokens"] for e in events]
+    if started is not None and started < times[0]:
+        times, tokens = [started, *times], [0, *tokens]  # nothing was produced while the rank loaded
+    cumulative = np.interp(edges, times, tokens, left=np.nan, right=np.nan)
+    return np.clip(np.diff(cumulative) / np.diff(edges), 0, None)
 
 
 def plot_rates(events: Events, t0: float) -> Figure | None:
@@ -72,6 +84,9 @@ def plot_rates(events: Events, t0: float) -> Figure | None:
     if not extract and not train:
         return None
     div, unit = _time_axis(events, t0)
+    edges = _bin_edges([*extract.values(), *train.values()], t0, max(e["time"] for e in events))
+    centers = (edges[:-1] + edges[1:]) / 2
+    starts = {(e["role"], e["rank"]): e["time"] for e in events if e["event"] == "start"}
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 7), sharex=True, layout="constrained")
     series = [(extract, "backpressure_s", "tab:green", "blocked on full buffer"),
               (train, "data_wait_s", "tab:purple", "waited for data")]
@@ -79,7 +94,8 @@ def plot_rates(events: Events, t0: float) -> Figure | None:
         for i, ((role, rank), evs) in enumerate(groups.items()):
             t = [(e["time"] - t0) / div for e in evs]
             style = dict(color=color, alpha=1.0 if i == 0 else 0.6, ls="-" if i == 0 else ":")
-            top.plot(t[1:], interval_rates(evs), label=f"{role} {rank} tok/s", **style)
+            top.plot((centers - t0) / div, binned_rates(evs, starts.get((role, rank)), edges),
+                     label=f"{role} {rank} tok/s", **style)
             bottom.plot(t, [(e.get(blocked_key) or 0) / div for e in evs],
                         label=f"{role} {rank}: {blocked_label}", **style)
     top.set(title="Producer (extract) and consumer (train) throughput", ylabel="tokens / s")

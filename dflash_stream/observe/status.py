@@ -1,7 +1,8 @@
 """`dflash-stream status`: one view of a run across all ranks, from its output folder alone.
 
-Works on a live run, a finished one (summary.json present) and a dead one (no metrics for a while and no live
-process behind any rank's `start` event).
+States: `finished` (summary.json present), `running` (a rank's process is alive, or it logged recently when it
+runs on another host), `crashed` (no live process behind the ranks' `start` events, or silent for too long),
+`ended` (every rank logged its `end`, as after a plain `extract` or `train`), `starting` (no metrics yet).
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ def _run_state(out: Path, ranks: list[dict[str, Any]]) -> tuple[str, str]:
     if not ranks:
         return "starting", "no metrics yet"
     if all(r["ended"] for r in ranks):
-        return "stopped", "every rank logged its end, but there is no summary.json"
+        return "ended", "every rank logged its end; only `run` writes summary.json"
     if any(r["alive"] for r in ranks):
         gone = [f"{r['role']} {r['rank']}" for r in ranks if r["alive"] is False]
         return "running", "live process(es) on this host" + (f"; {', '.join(gone)} died" if gone else "")
@@ -211,7 +212,7 @@ def render_status(s: dict[str, Any]) -> str:
     x = s["extraction"]
     if x:
         pct = f" ({x['progress']:.1%})" if x["progress"] is not None else ""
-        eta = f", ETA {fmt_duration(x['eta_s'])}" if x["eta_s"] is not None else ""
+        eta = f", ETA {fmt_duration(x['eta_s'])}" if x["eta_s"] and x["progress"] != 1 else ""
         out.append(f"extract   {fmt_count(x['samples'])} / {fmt_count(x['samples_total'])} samples{pct}{eta}")
         out.append(f"          {x['tok_s']:,.0f} tok/s over {x['ranks']} rank(s); "
                    f"blocked on a full buffer {fmt_duration(x['backpressure_s'])}")
@@ -221,8 +222,9 @@ def render_status(s: dict[str, Any]) -> str:
         out.append(f"buffer    {fmt_bytes(b['used_bytes'] + b['reserved_bytes'])} / {fmt_bytes(b['budget_bytes'])} "
                    f"({fill}; {fmt_bytes(b['reserved_bytes'])} reserved by writers)")
         waiting = f"; {b['writers_waiting']} writer(s) waiting for space" if b["writers_waiting"] else ""
-        out.append(f"          {b['ready']} ready, {b['claimed']} claimed; {_num(b['segments_written'], 'd')} written, "
-                   f"{b['segments_released']} released{waiting}  [{b['source']}]")
+        written = f"{b['segments_written']} written, " if b["segments_written"] is not None else ""
+        out.append(f"          {b['ready']} ready, {b['claimed']} claimed; {written}{b['segments_released']} released"
+                   f"{waiting}  [{b['source']}]")
     t = s["training"]
     if t:
         out.append(f"train     step {t['step']} (epoch {t['epoch']}): loss {_num(t['loss'], '.4f')}, "

@@ -172,7 +172,6 @@ def _device_name(device: torch.device) -> str:
 
 def run_tune(cfg: Config, num_samples: int, train_steps: int) -> dict[str, Any]:
     """Measure, recommend, write OUTPUT/tune.json, print the findings; the measurements."""
-    from dflash_stream.pipeline.common import max_segment_raw_bytes
     from dflash_stream.target import load_target, resolve_device, resolve_layer_ids, text_config
 
     if num_samples < 1 or train_steps < 1:
@@ -190,8 +189,9 @@ def run_tune(cfg: Config, num_samples: int, train_steps: int) -> dict[str, Any]:
     raw_tok = len(layer_ids) * tc.hidden_size * 2
     stored_tok = raw_tok / compression[cfg.store.codec]["ratio"] + IDS_MASK_BYTES_PER_TOKEN
     disk = disk_space(cfg, 0)
-    advice = recommend(disk["free_bytes"], stored_tok, raw_tok, train_tok_s, extract_tok_s,
-                       max_segment_raw_bytes(cfg, len(layer_ids), tc.hidden_size))
+    # A segment must hold the longest sample; the configured segment_bytes is what is being tuned.
+    longest = cfg.data.max_length * (raw_tok + IDS_MASK_BYTES_PER_TOKEN)
+    advice = recommend(disk["free_bytes"], stored_tok, raw_tok, train_tok_s, extract_tok_s, longest)
     result = {
         "time": time.time(), "target": cfg.target.model, "device": _device_name(device),
         "layer_ids": layer_ids, "hidden_size": tc.hidden_size, "samples": len(samples), "tokens": tokens,

@@ -142,8 +142,9 @@ class _SegmentSink:
             self._add(item.pass_index, Sample(sample.sample_id, sample.input_ids, sample.loss_mask, states))
 
     def _add(self, pass_index: int, sample: Sample) -> None:
-        size = len(sample.input_ids) * self.bytes_per_token
-        if self.pending and (pass_index != self.pending_pass or self.pending_bytes + size > self.segment_bytes):
+        # A segment also stores each sample's id and offset (16 bytes) and one closing offset (8).
+        size = len(sample.input_ids) * self.bytes_per_token + 16
+        if self.pending and (pass_index != self.pending_pass or 8 + self.pending_bytes + size > self.segment_bytes):
             self._flush()
         self.pending.append(sample)
         self.pending_pass = pass_index
@@ -205,6 +206,9 @@ class Extractor:
         self._run_started = time.perf_counter()
         try:
             finished = self._sink.retry_refused() and self._feed(until_full)
+        except BaseException:
+            self._bar.close()
+            raise
         finally:
             self.extract_seconds += time.perf_counter() - self._run_started
         if not finished:

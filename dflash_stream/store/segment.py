@@ -55,10 +55,18 @@ def check_samples(samples: list[Sample], width: int) -> int:
                 f"sample {s.sample_id}: {t} input_ids, {len(s.loss_mask)} loss_mask and {hs.shape[0]} state rows "
                 "must be equal and non-zero"
             )
-        if not torch.isfinite(hs).all():
-            raise StoreError(f"sample {s.sample_id}: hidden_states hold NaN or Inf; refusing to store them")
         total += t
     return total
+
+
+def _check_finite(bits: np.ndarray, samples: list[Sample]) -> None:
+    """NaN and Inf are the bf16 values whose exponent bits are all ones."""
+    bad = (bits & 0x7F80) == 0x7F80
+    if bad.any():
+        row = int(np.argmax(bad.any(axis=1)))
+        ends = np.cumsum([len(s.input_ids) for s in samples])
+        culprit = samples[int(np.searchsorted(ends, row, side="right"))]
+        raise StoreError(f"sample {culprit.sample_id}: hidden_states hold NaN or Inf; refusing to store them")
 
 
 def raw_bytes(tokens: int, num_samples: int, width: int) -> int:
@@ -68,13 +76,15 @@ def raw_bytes(tokens: int, num_samples: int, width: int) -> int:
 
 def disk_bound(raw: int, tokens: int, width: int, block: int, codec: str) -> int:
     """Worst-case bytes a segment of `raw` bytes can take on disk, as `du` counts them (before encoding)."""
-    rows = codecs.rows_per_chunk(width)
-    state_chunks = math.ceil(tokens / rows)
-    # zarr stores the last chunk of tokens whole, zero-padded: real bytes for `none`, while zstd squeezes
-    # zeros by far more than 128:1.
-    padding = (state_chunks * rows - tokens) * width * 2
-    padding //= 1 if codec == "none" else 128
-    files = 2 * state_chunks + 2 * ARRAYS_PER_SEGMENT + 2  # chunks, per-array and group metadata
+    (channels, _), (rows, _) = codecs.chunk_shapes(tokens, width)
+    by_channel, by_token = math.ceil(width / channels), math.ceil(tokens / rows)
+    state_chunks = by_channel + by_token
+    # zarr stores edge chunks whole, zero-padded: real bytes where a plane is stored as is (token-major),
+    # while zstd squeezes zeros by far more than 128:1.
+    pad_token_major = (by_token * rows - tokens) * width
+    pad_channel_major = (by_channel * channels - width) * tokens
+    padding = pad_token_major * codecs.UNCOMPRESSED_BYTES_PER_VALUE[codec] + (pad_token_major + pad_channel_major) * 2 // 128
+    files = state_chunks + 2 * ARRAYS_PER_SEGMENT + 2  # chunks, per-array and group metadata
     return codecs.encoded_bound(raw + padding, files) + files * 2 * block + (ARRAYS_PER_SEGMENT + 1) * 2 * block
 
 
@@ -88,6 +98,9 @@ def files_bound(files: dict[str, bytes], block: int) -> int:
 def encode_segment(samples: list[Sample], codec: str, layer_ids: list[int], hidden_size: int) -> dict[str, bytes]:
     """The segment's files (relative path -> bytes), encoded in memory so that their size is known before
     any disk space is reserved, and a failed write never races zarr's own concurrent writers."""
+    # bf16 kernels on CPU are slow; everything below works on the raw bits.
+    bits = np.concatenate([s.hidden_states.view(torch.int16).numpy().view(np.uint16) for s in samples])
+    _check_finite(bits, samples)
     files: dict = {}
     lengths = np.array([len(s.input_ids) for s in samples], dtype=np.int64)
     offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
@@ -99,8 +112,7 @@ def encode_segment(samples: list[Sample], codec: str, layer_ids: list[int], hidd
     codecs.write_small(group, "loss_mask", np.concatenate([np.asarray(s.loss_mask, dtype=bool) for s in samples]))
     codecs.write_small(group, "offsets", offsets)
     codecs.write_small(group, "sample_ids", np.array([s.sample_id for s in samples], dtype=np.int64))
-    states = torch.cat([s.hidden_states for s in samples]) if len(samples) > 1 else samples[0].hidden_states
-    codecs.write_states(group, codec, states, len(layer_ids))
+    codecs.write_states(group, codec, bits, len(layer_ids))
     return {key: buf.to_bytes() for key, buf in files.items()}
 
 

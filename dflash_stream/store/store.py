@@ -7,6 +7,7 @@ import json
 import os
 import re
 import shutil
+import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -40,7 +41,7 @@ POLL_SECONDS = (0.02, 0.5)
 
 def _write_json(path: Path, obj: Any) -> None:
     """Write-then-rename, so readers see the old file or the new one, never a torn one."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     tmp.write_text(json.dumps(obj))
     os.replace(tmp, path)
 
@@ -110,6 +111,13 @@ class Store:
         if reuse < 1:
             raise StoreError(f"store reuse must be >= 1, got {reuse}")
         width = len(fingerprint.get("layer_ids") or [0]) * int(fingerprint.get("hidden_size") or 1)
+        existing = next(p for p in (path, *path.parents) if p.exists())
+        smallest = min_budget(max_segment_raw_bytes, width, bud.block_size(existing), codec)
+        if budget < smallest:
+            raise BudgetTooSmall(
+                f"store budget {budget:,} bytes cannot hold one worst-case segment of {max_segment_raw_bytes:,} raw "
+                f"bytes with codec {codec}; the smallest workable budget is {smallest:,} bytes"
+            )
         if not path.exists():
             if not create:
                 raise StoreError(f"no store at {path} (the directory does not exist)")
@@ -120,12 +128,6 @@ class Store:
         elif not path.is_dir():
             raise StoreError(f"store path {path} exists and is not a directory")
         _probe_writable(path)
-        smallest = min_budget(max_segment_raw_bytes, width, bud.block_size(path), codec)
-        if budget < smallest:
-            raise BudgetTooSmall(
-                f"store budget {budget:,} bytes cannot hold one worst-case segment of {max_segment_raw_bytes:,} raw "
-                f"bytes with codec {codec}; the smallest workable budget is {smallest:,} bytes"
-            )
         requested = {"format": FORMAT, "fingerprint": fingerprint, "codec": codec, "reuse": reuse, "width": width}
         manifest = _create_or_read_manifest(path, {**requested, "budget": budget}, create)
         _compare(path, manifest, requested)
@@ -168,7 +170,7 @@ class Store:
         published = set(self._ls("segments")) | {_marker(n)[0] for n in self._ls("done")}
         out: dict[int, set[int]] = {}
         for seg in published:
-            info = self.info(seg)
+            info = self._record(seg)
             if info is not None:
                 out.setdefault(info.pass_index, set()).update(info.sample_ids)
         return out
@@ -176,7 +178,7 @@ class Store:
     def status(self) -> dict[str, Any]:
         reserved = self._reserved()
         used = self._used()
-        live = [i for i in (self.info(s) for s in self._ls("segments")) if i is not None]
+        live = [i for i in (self._record(s) for s in self._ls("segments")) if i is not None]
         claimed = [n for c in self._ls("claimed") for n in self._ls(f"claimed/{c}")]
         return {
             "path": str(self.path), "codec": self.codec, "reuse": self.reuse,
@@ -209,8 +211,18 @@ class Store:
         shutil.rmtree(self.path / "budget" / "lock", ignore_errors=True)
         return report
 
+    def _find_sample(self, sample_id: int) -> str:
+        """The live segment holding `sample_id`."""
+        for seg in sorted(self._ls("segments")):
+            info = self._record(seg)
+            if info is not None and sample_id in info.sample_ids:
+                return seg
+        if any(sample_id in ids for ids in self.stored_sample_ids().values()):
+            raise StoreError(f"sample {sample_id} was consumed and its segment deleted from {self.path}")
+        raise StoreError(f"sample {sample_id} is not in the store at {self.path}")
+
     # ---- shared helpers ------------------------------------------------------------------------------------
-    def info(self, segment_id: str) -> SegmentInfo | None:
+    def _record(self, segment_id: str) -> SegmentInfo | None:
         """A segment's immutable record (kept after the segment is deleted); None for an unpublished one."""
         if segment_id not in self._info:
             try:
@@ -249,7 +261,7 @@ class Store:
         Segments are listed before the rest is measured, so a segment deleted in between is still counted."""
         charged = 0
         for seg in self._ls("segments"):
-            info = self.info(seg)
+            info = self._record(seg)
             # A segment dir without its record is a crashed publish being recovered: measure it.
             charged += info.bytes if info else bud.du(self.path / "segments" / seg)
         return charged + bud.du(self.path, frozenset({"segments", "tmp"}))
@@ -430,7 +442,7 @@ class SegmentConsumer:
         ready = []
         for name in st._ls("ready"):
             seg, use = _marker(name)
-            info = st.info(seg)
+            info = st._record(seg)
             if info is not None:
                 ready.append((info.pass_index * st.reuse + use, name, info, use))
         # Lowest epoch first, so every segment's use u is served before any segment's use u + 1.

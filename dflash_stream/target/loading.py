@@ -11,6 +11,7 @@ from dflash_stream.config import ConfigError, TargetConfig
 
 if TYPE_CHECKING:
     import torch
+    from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 
 def model_location(target: TargetConfig) -> tuple[str, dict[str, Any]]:
@@ -65,7 +66,7 @@ def resolve_dtype(target: TargetConfig, device: torch.device) -> torch.dtype:
     return getattr(torch, target.dtype)
 
 
-def load_target(target: TargetConfig, device: torch.device):
+def load_target(target: TargetConfig, device: torch.device) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """(model, tokenizer) of the target, in eval mode on `device`, frozen."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -82,6 +83,6 @@ def load_target(target: TargetConfig, device: torch.device):
     return model, tokenizer
 
 
-def text_config(model):
+def text_config(model: PreTrainedModel) -> PretrainedConfig:
     """The language model's config (multimodal targets nest it)."""
     return model.config.get_text_config()
