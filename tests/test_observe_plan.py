@@ -41,14 +41,14 @@ def test_plan_headline_64_layers(tmp_path: Path, capsys) -> None:
     v = plan["volume"]
     assert v["raw_bytes_per_token"] == 51_200
     assert v["raw_bytes_per_sample"] == 51_200_000
-    assert v["stored_bytes_per_token"] == pytest.approx(51_200 / 1.44 + 5)
+    assert v["stored_bytes_per_token"] == pytest.approx(51_205 / 1.44)
     tokens = 914_000 * 1000
     assert v["full_dump_raw_bytes"] == pytest.approx(tokens * 51_205)  # 46.8 TB: states + ids + mask
     b = plan["buffer"]
-    segment_stored = 64 * MIB * (51_200 / 1.44 + 5) / 51_205
+    segment_stored = 64 * MIB / 1.44
     assert b["segments_in_budget"] == int(200e9 // segment_stored)
     assert b["segments_per_pass"] == math.ceil(tokens * 51_205 / (64 * MIB))
-    assert b["wraps"] == pytest.approx(tokens * (51_200 / 1.44 + 5) / 200e9)
+    assert b["wraps"] == pytest.approx(tokens * 51_205 / 1.44 / 200e9)
     # Four processes, one trainer by default: three extractors stream beside it.
     t = plan["time"]
     assert t["overlapped"] and t["phases"]["extract"]["processes"] == 3
@@ -98,9 +98,9 @@ def test_plan_local_model_local_data_and_tune(tmp_path: Path) -> None:
     v = plan["volume"]
     assert v["raw_bytes_per_token"] == 3 * 2048 * 2 == 12_288
     assert v["ratio"] == 2.5 and "tune" in v["ratio_source"]
-    assert v["stored_bytes_per_token"] == pytest.approx(12_288 / 2.5 + 5)
+    assert v["stored_bytes_per_token"] == pytest.approx(12_293 / 2.5)
     assert v["full_dump_raw_bytes"] == pytest.approx(90 * 500 * 12_293)
-    assert plan["buffer"]["wraps"] == pytest.approx(90 * 500 * (12_288 / 2.5 + 5) / 2**30)
+    assert plan["buffer"]["wraps"] == pytest.approx(90 * 500 * 12_293 / 2.5 / 2**30)
     # One process alternates extraction and training, so the phase times add up.
     t = plan["time"]
     assert t["phases"]["extract"]["seconds"] == pytest.approx(45_000 / 1000.0)

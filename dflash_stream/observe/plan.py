@@ -207,8 +207,8 @@ def build_plan(cfg: Config, samples: int | None = None, mean_tokens: float | Non
     ratio, ratio_source = (measured, f"measured by tune on {tune['tokens']:,} tokens") if measured else (
         DESIGN_RATIOS[codec], DESIGN_RATIO_NOTE if codec != "none" else "raw uint16 (run tune to see what zstd still gains)")
     raw_tok = len(layer_ids) * shape.hidden_size * 2
-    stored_tok = raw_tok / ratio + IDS_MASK_BYTES_PER_TOKEN
     per_token = raw_tok + IDS_MASK_BYTES_PER_TOKEN
+    stored_tok = per_token / ratio
     passes, reuse = cfg.extraction_passes, cfg.store.reuse
     volume = {
         "codec": codec, "ratio": ratio, "ratio_source": ratio_source,
@@ -221,7 +221,7 @@ def build_plan(cfg: Config, samples: int | None = None, mean_tokens: float | Non
 
     budget = int(cfg.store.budget)
     segment_raw = int(cfg.store.segment_bytes)
-    segment_stored = segment_raw * stored_tok / per_token
+    segment_stored = segment_raw / ratio
     min_budget = 2 * max_segment_raw_bytes(cfg, len(layer_ids), shape.hidden_size)
     written = volume["full_dump_stored_bytes"] * passes if tokens else None
     buffer = {
@@ -288,9 +288,9 @@ def _time_plan(cfg: Config, shape: TargetShape, layer_ids: list[int], mean: floa
                   "source": "DESIGN.md (one core, Blosc zstd-1 + shuffle); runs beside the forward"},
         "export": {"source": "seconds: the drafter's weights and config.json, once at the end"},
     }
-    encode = (tune or {}).get("encode_bytes_per_s", {}).get(cfg.store.codec)
-    if encode:
-        phases["store"].update(encode_bytes_per_s=encode, source=f"{tune_note}; runs beside the forward")
+    written = (tune or {}).get("write_bytes_per_s", {}).get(cfg.store.codec)
+    if written:
+        phases["store"].update(encode_bytes_per_s=written, source=f"{tune_note}, encode + write; beside the forward")
     if not tokens:
         return {"processes": processes, "overlapped": overlapped, "phases": phases, "total_seconds": None}
     phases["extract"]["seconds"] = tokens * cfg.extraction_passes / (ext_rate * extractors)
@@ -340,7 +340,8 @@ def render_plan(plan: dict[str, Any]) -> str:
         f"{fmt_bytes(v['stored_bytes_per_sample']):>14}",
         f"  {'full dump (offline)':<22}{fmt_bytes(v['full_dump_raw_bytes']):>14}"
         f"{fmt_bytes(v['full_dump_stored_bytes']):>14}",
-        f"  (+{v['ids_mask_bytes_per_token']} B per token of ids and loss mask stored beside the states)",
+        f"  (raw per token is the states alone; the totals add {v['ids_mask_bytes_per_token']} B per token of ids and "
+        "loss mask stored beside them)",
         "", "ring buffer",
         f"  budget {fmt_bytes(b['budget_bytes'])}: {b['segments_in_budget']} segments of "
         f"{fmt_bytes(b['segment_raw_bytes'])} raw / {fmt_bytes(b['segment_stored_bytes'])} stored",

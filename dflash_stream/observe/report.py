@@ -60,22 +60,29 @@ def plot_buffer(events: Events, t0: float) -> Figure | None:
 
 
 def _bin_edges(groups: list[Events], t0: float, t1: float) -> np.ndarray:
-    """Shared time bins: ~60 over the run, but at least three event gaps of the sparsest rank wide, so a
-    rank that publishes in bursts (one batch, several segments) reads as a rate, not as spikes."""
+    """Shared time bins: ~60 over the run, but at least three report periods of the sparsest rank wide, so a
+    rank that reports in bursts (one batch, several segments) reads as a rate, not as spikes."""
     gaps = [(evs[-1]["time"] - evs[0]["time"]) / (len(evs) - 1) for evs in groups if len(evs) > 1]
     width = max((t1 - t0) / 60, 3 * max(gaps, default=0.0), 1e-3)
-    return np.arange(t0, t1 + width, width)
+    # Whole bins from the first to the last event: no bin reaches past the data and dilutes its rate.
+    return np.linspace(t0, t1, max(1, int((t1 - t0) // width)) + 1)
 
 
 def binned_rates(events: Events, started: float | None, edges: np.ndarray) -> np.ndarray:
-    """Tokens/s per bin from the cumulative `tokens` counter, interpolated at the bin edges; NaN (a gap in
-    the curve) outside the rank's life. A restarted rank's counter may step back: that bin counts as 0."""
+    """Tokens/s per bin from the cumulative `tokens` counter, taken as growing evenly between two reports
+    (counting whole reports per bin would alias with the report period); NaN (a gap in the curve) for bins
+    wholly outside the rank's life. A restarted rank's counter may step back: that bin counts as 0."""
     times = [e["time"] for e in events]
     tokens = [e["tokens"] for e in events]
-    if started is not None and started < times[0]:
-        times, tokens = [started, *times], [0, *tokens]  # nothing was produced while the rank loaded
-    cumulative = np.interp(edges, times, tokens, left=np.nan, right=np.nan)
-    return np.clip(np.diff(cumulative) / np.diff(edges), 0, None)
+    # The first report's tokens took about one report period, and not the model loading before it.
+    period = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else 0.0
+    born = times[0] - period if started is None else max(started, times[0] - period)
+    if born < times[0]:
+        times, tokens = [born, *times], [0, *tokens]
+    cumulative = np.interp(edges, times, tokens)
+    rates = np.clip(np.diff(cumulative) / np.diff(edges), 0, None)
+    rates[(edges[1:] <= times[0]) | (edges[:-1] >= times[-1])] = np.nan
+    return rates
 
 
 def plot_rates(events: Events, t0: float) -> Figure | None:
@@ -95,7 +102,7 @@ def plot_rates(events: Events, t0: float) -> Figure | None:
             t = [(e["time"] - t0) / div for e in evs]
             style = dict(color=color, alpha=1.0 if i == 0 else 0.6, ls="-" if i == 0 else ":")
             top.plot((centers - t0) / div, binned_rates(evs, starts.get((role, rank)), edges),
-                     label=f"{role} {rank} tok/s", **style)
+                     label=f"{role} {rank} tok/s", drawstyle="steps-mid", **style)
             bottom.plot(t, [(e.get(blocked_key) or 0) / div for e in evs],
                         label=f"{role} {rank}: {blocked_label}", **style)
     top.set(title="Producer (extract) and consumer (train) throughput", ylabel="tokens / s")

@@ -1,7 +1,7 @@
 """`dflash-stream tune`: measure this target on a few real samples, then size the buffer for this disk.
 
-Runs the real target over N samples (capture hooks + early stop, as the extractor does), encodes the captured
-states with every store codec, trains the real drafter for a few steps, and writes OUTPUT/tune.json, which
+Runs the real target over N samples (capture hooks + early stop, as the extractor does), writes the captured
+states as one segment per store codec through the store's own writer, trains the real drafter for a few steps, and writes OUTPUT/tune.json, which
 `plan` reads. The recommendation trades disk for slack: a bigger buffer lets extraction run further ahead, so
 a slow patch on either side does not stall the other.
 """
@@ -12,13 +12,14 @@ import json
 import math
 import tempfile
 import time
+import typing
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
-from dflash_stream.config import Config, ConfigError
+from dflash_stream.config import Config, ConfigError, StoreConfig
 from dflash_stream.observe.plan import IDS_MASK_BYTES_PER_TOKEN, disk_space
 from dflash_stream.observe.units import fmt_bytes, fmt_duration
 
@@ -80,23 +81,24 @@ def _extract(model, layer_ids: list[int], samples: list[PreparedSample], batch_t
     return [states[i] for i in range(len(samples))], timed_tokens / timed_s
 
 
-def _compression(states: torch.Tensor, num_layers: int) -> dict[str, dict[str, float]]:
-    """Each codec's ratio against raw bf16 and its encode speed, on the real captured states."""
-    import zarr
+def _compression(samples: list[PreparedSample], states: list[torch.Tensor], layer_ids: list[int],
+                 hidden_size: int) -> dict[str, dict[str, float]]:
+    """Each codec's on-disk ratio against raw bf16 and its write speed: one real segment per codec, written
+    through the store's own writer into a scratch store."""
+    from dflash_stream.store import Sample, Store
 
-    from dflash_stream.store.codecs import CODECS, write_states
-
-    raw = states.numel() * 2
+    segment = [Sample(s.sample_id, s.input_ids, s.loss_mask, h) for s, h in zip(samples, states, strict=True)]
+    raw = sum(h.numel() * 2 + h.shape[0] * IDS_MASK_BYTES_PER_TOKEN for h in states)
     out = {}
-    for codec in CODECS:
+    for codec in typing.get_args(StoreConfig.model_fields["codec"].annotation):
         with tempfile.TemporaryDirectory() as tmp:
-            group = zarr.open_group(tmp, mode="w")
+            store = Store.open(Path(tmp) / "store", budget=4 * raw + 64 * MIB, codec=codec, reuse=1,
+                               fingerprint={"layer_ids": layer_ids, "hidden_size": hidden_size},
+                               max_segment_raw_bytes=raw)
             start = time.perf_counter()
-            write_states(group, codec, states, num_layers)
+            info = store.writer("tune").write(segment)
             elapsed = time.perf_counter() - start
-            # Chunk payloads only: the zarr.json metadata is per segment, not per token.
-            stored = sum(f.stat().st_size for f in Path(tmp).rglob("*") if f.is_file() and f.name != "zarr.json")
-        out[codec] = {"ratio": raw / stored, "encode_bytes_per_s": raw / elapsed}
+        out[codec] = {"ratio": info.raw_bytes / info.bytes, "write_bytes_per_s": info.raw_bytes / elapsed}
     return out
 
 
@@ -182,22 +184,22 @@ def run_tune(cfg: Config, num_samples: int, train_steps: int) -> dict[str, Any]:
     layer_ids = resolve_layer_ids(tc.num_hidden_layers, cfg.target)
     samples = _samples(cfg, tokenizer, model, num_samples)
     states, extract_tok_s = _extract(model, layer_ids, samples, cfg.extract.batch_tokens, tokenizer.pad_token_id, device)
-    compression = _compression(torch.cat(states), len(layer_ids))
+    compression = _compression(samples, states, layer_ids, tc.hidden_size)
     train_tok_s = _train(cfg, model, tokenizer, layer_ids, samples, states, train_steps, device)
 
     tokens = sum(s.num_tokens for s in samples)
-    raw_tok = len(layer_ids) * tc.hidden_size * 2
-    stored_tok = raw_tok / compression[cfg.store.codec]["ratio"] + IDS_MASK_BYTES_PER_TOKEN
+    raw_tok = len(layer_ids) * tc.hidden_size * 2 + IDS_MASK_BYTES_PER_TOKEN
+    stored_tok = raw_tok / compression[cfg.store.codec]["ratio"]
     disk = disk_space(cfg, 0)
     # A segment must hold the longest sample; the configured segment_bytes is what is being tuned.
-    longest = cfg.data.max_length * (raw_tok + IDS_MASK_BYTES_PER_TOKEN)
+    longest = cfg.data.max_length * raw_tok
     advice = recommend(disk["free_bytes"], stored_tok, raw_tok, train_tok_s, extract_tok_s, longest)
     result = {
         "time": time.time(), "target": cfg.target.model, "device": _device_name(device),
         "layer_ids": layer_ids, "hidden_size": tc.hidden_size, "samples": len(samples), "tokens": tokens,
         "mean_tokens": tokens / len(samples),
         "compression": {c: m["ratio"] for c, m in compression.items()},
-        "encode_bytes_per_s": {c: m["encode_bytes_per_s"] for c, m in compression.items()},
+        "write_bytes_per_s": {c: m["write_bytes_per_s"] for c, m in compression.items()},
         "extract_tok_s": extract_tok_s, "train_tok_s": train_tok_s, "train_steps": train_steps,
         "free_bytes": disk["free_bytes"], "disk_checked": disk["checked"], "recommendation": advice,
     }
@@ -213,10 +215,10 @@ def render_tune(r: dict[str, Any], codec: str) -> str:
     rec = r["recommendation"]
     out = [f"measured on {r['samples']} samples ({r['tokens']:,} tokens, mean {r['mean_tokens']:,.0f}) "
            f"of {r['target']} on {r['device']}, layers {r['layer_ids']}",
-           "", "compression of the captured states (vs raw bf16)"]
+           "", "one segment of the captured states on disk, per codec (vs raw bf16 + ids + mask)"]
     for c, ratio in r["compression"].items():
         mark = "  <- store.codec" if c == codec else ""
-        out.append(f"  {c:<9}{ratio:6.2f}x   encode {r['encode_bytes_per_s'][c] / 1e6:8,.0f} MB/s{mark}")
+        out.append(f"  {c:<9}{ratio:6.2f}x   writes {r['write_bytes_per_s'][c] / 1e6:8,.0f} MB/s of raw states{mark}")
     out += ["", f"extraction {r['extract_tok_s']:,.0f} tok/s, training {r['train_tok_s']:,.0f} tok/s per process "
                 f"-> {rec['bottleneck']} is the bottleneck",
             "", f"buffer options ({fmt_bytes(r['free_bytes'])} free at {r['disk_checked']}; "

@@ -325,12 +325,15 @@ class Extractor:
 
     def _windows(self, samples: list[PreparedSample]) -> Iterator[list[PreparedSample]]:
         limit = WINDOW_SEGMENTS * int(self.cfg.store.segment_bytes)
-        expected_response = self.cfg.data.generation.max_new_tokens if self.cache is not None else 0
+        regenerating = self.cache is not None
+        expected_response = self.cfg.data.generation.max_new_tokens if regenerating else 0
+        # A window also holds at least one full generation batch, or `generate` would run under-filled.
+        min_samples = self.cfg.data.generation.batch_size if regenerating else 1
         window, size = [], 0
         for sample in samples:
             window.append(sample)
             size += (sample.num_tokens + expected_response) * self.bytes_per_token
-            if size >= limit:
+            if size >= limit and len(window) >= min_samples:
                 yield window
                 window, size = [], 0
         if window:

@@ -1,7 +1,9 @@
 """Store errors: each one reads as a single line that names the file, field or figure at fault."""
 
+from dflash_stream.errors import DFlashError
 
-class StoreError(RuntimeError):
+
+class StoreError(DFlashError, RuntimeError):
     """Base class of every error the store raises on purpose."""
 
 

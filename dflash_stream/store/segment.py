@@ -1,4 +1,10 @@
-"""One segment: many samples packed into one zarr v3 group, written once and then only read."""
+"""One segment: many samples packed into one zarr v3 group, written once and then only read.
+
+Group attributes: format, codec, logical_dtype (bfloat16), layout, layer_ids, hidden_size. Arrays:
+`input_ids` int32 [T], `loss_mask` bool [T], `offsets` int64 [n+1] (sample i is rows offsets[i]:offsets[i+1]),
+`sample_ids` int64 [n], and the codec's state arrays (see `codecs.py`). Every chunk ends in a crc32c and
+every chunk file is written, so a missing file is damage, never "all zeros".
+"""
 
 from __future__ import annotations
 
@@ -117,16 +123,17 @@ def encode_segment(samples: list[Sample], codec: str, layer_ids: list[int], hidd
 
 
 def write_file(path: Path, data: bytes) -> None:
+    """The one place segment bytes reach the disk (tests inject ENOSPC here)."""
     with open(path, "wb") as f:
         f.write(data)
 
 
 def write_files(root: Path, files: dict[str, bytes]) -> None:
     root.mkdir()
-    for key in sorted(files):  # "a/zarr.json" sorts after "a" would need its directory: create it on the way
+    for key, data in files.items():
         target = root / key
         target.parent.mkdir(parents=True, exist_ok=True)
-        write_file(target, files[key])
+        write_file(target, data)
 
 
 def _chunk_files(array_dir: Path) -> int:
@@ -141,7 +148,7 @@ def _read_array(segment_id: str, path: Path, group: zarr.Group, name: str) -> np
     try:
         return arr[...]
     except ValueError:
-        pass
+        pass  # zarr's checksum error does not say which chunk: find it chunk by chunk
     for index in np.ndindex(*arr.cdata_shape):
         try:
             arr.blocks[index]

@@ -96,7 +96,8 @@ class Store:
         self.codec: str = manifest["codec"]
         self.reuse: int = manifest["reuse"]
         self.budget = budget
-        self.layer_ids: list[int] = list(self.fingerprint.get("layer_ids") or [0])
+        self.layer_ids: list[int] = list(self.fingerprint["layer_ids"])
+        self.hidden_size: int = int(self.fingerprint["hidden_size"])
         self.width: int = manifest["width"]
         self.block = bud.block_size(path)
         self._info: dict[str, SegmentInfo] = {}
@@ -110,7 +111,10 @@ class Store:
             raise StoreError(f"unknown store codec '{codec}'; allowed: {', '.join(CODECS)}")
         if reuse < 1:
             raise StoreError(f"store reuse must be >= 1, got {reuse}")
-        width = len(fingerprint.get("layer_ids") or [0]) * int(fingerprint.get("hidden_size") or 1)
+        try:
+            width = len(fingerprint["layer_ids"]) * int(fingerprint["hidden_size"])
+        except (KeyError, TypeError, ValueError):
+            raise StoreError("the store fingerprint must give layer_ids and hidden_size (the shape of the states)") from None
         existing = next(p for p in (path, *path.parents) if p.exists())
         smallest = min_budget(max_segment_raw_bytes, width, bud.block_size(existing), codec)
         if budget < smallest:
@@ -190,8 +194,11 @@ class Store:
             "end_of_data": self.end_of_data,
         }
 
-    def recover(self) -> dict[str, int]:
-        """Clean up after any crash. Only when no other process uses the store (at job start)."""
+    def recover(self, keep_consumers: Iterable[str] = ()) -> dict[str, int]:
+        """Clean up after any crash. Only when no other process uses the store (at job start).
+
+        Claims of `keep_consumers` stay: a resuming trainer decides itself which of its claims to keep.
+        """
         report = {"partial_writes": 0, "reservations": 0, "claims_returned": 0, "deletions_finished": 0}
         writers = set(self._ls("tmp")) | set(self._ls("budget/reserved")) | set(self._ls("budget/waiting"))
         for w in writers:
@@ -201,7 +208,7 @@ class Store:
         for seg in self._ls("segments"):
             if not self._has_marker(seg):
                 self._mark_ready(seg)
-        for c in self._ls("claimed"):
+        for c in set(self._ls("claimed")) - set(keep_consumers):
             report["claims_returned"] += self._return_claims(c, set())
         for name in self._ls("done"):
             seg = _marker(name)[0]
@@ -313,7 +320,7 @@ class SegmentWriter:
         seg = f"{self.id}.{self._seq:06d}"
         record = {"segment_id": seg, "pass_index": pass_index, "sample_ids": [int(s.sample_id) for s in samples],
                   "num_tokens": tokens, "raw_bytes": raw}
-        files = encode_segment(samples, st.codec, st.layer_ids, int(st.fingerprint.get("hidden_size") or st.width))
+        files = encode_segment(samples, st.codec, st.layer_ids, st.hidden_size)
         record_bytes = len(json.dumps({**record, "bytes": 0})) + 32
         # The segment, its record, and this writer's reservation file.
         need = files_bound(files, st.block) + (-(-record_bytes // st.block) + 1) * st.block
@@ -443,8 +450,9 @@ class SegmentConsumer:
         for name in st._ls("ready"):
             seg, use = _marker(name)
             info = st._record(seg)
-            if info is not None:
-                ready.append((info.pass_index * st.reuse + use, name, info, use))
+            if info is None:
+                raise StoreError(f"store {st.path} is damaged: ready/{name} has no record info/{seg}.json")
+            ready.append((info.pass_index * st.reuse + use, name, info, use))
         # Lowest epoch first, so every segment's use u is served before any segment's use u + 1.
         for _, name, info, use in sorted(ready, key=lambda r: r[:2]):
             try:
