@@ -75,6 +75,10 @@ class DataConfig(Section):
     """Replace assistant turns by the target's own responses before extraction."""
     generation: GenerationConfig = GenerationConfig()
     seed: int = 0
+    expected_samples: int | None = Field(None, ge=1)
+    """For `plan` when the sources cannot be counted locally (hub datasets)."""
+    mean_tokens: float | None = Field(None, gt=0)
+    """For `plan`: average tokens per sample (default: measured by `tune`, else max_length / 2)."""
 
 
 class ExtractConfig(Section):
@@ -82,6 +86,8 @@ class ExtractConfig(Section):
     """Token budget of one forward batch, padding included."""
     queue_size: int = Field(4, ge=1)
     """Batches waiting for device-to-host copy and encoding before the forward loop waits."""
+    tokens_per_s: float | None = Field(None, gt=0)
+    """For `plan`: one extractor's throughput, when known from an earlier run."""
 
 
 class StoreConfig(Section):
@@ -125,6 +131,8 @@ class TrainConfig(Section):
     mixed_precision: Literal["auto", "no", "bf16"] = "auto"
     log_every: int = Field(10, ge=1)
     seed: int = 0
+    tokens_per_s: float | None = Field(None, gt=0)
+    """For `plan`: one trainer's throughput, when known from an earlier run."""
 
 
 class RolesConfig(Section):

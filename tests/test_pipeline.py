@@ -3,6 +3,7 @@ the exactly-once audit, the budget measured from outside, and bad configs refuse
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -76,10 +77,8 @@ class DiskSampler:
         total = 0
         for root, dirs, files in os.walk(self.path):
             for name in dirs + files:
-                try:
+                with contextlib.suppress(FileNotFoundError):
                     total += os.lstat(os.path.join(root, name)).st_blocks * 512
-                except FileNotFoundError:
-                    pass
         return total
 
     def _loop(self) -> None:

@@ -121,7 +121,7 @@ def test_kill_9_writer_mid_write_and_consumer_after_claim(tmp_path):
         if os.listdir(path / "tmp" / "w"):
             break
     assert os.listdir(path / "tmp" / "w"), "never caught the writer mid-write"
-    published = {s: Store._attach(path)._record(s).sample_ids for s in os.listdir(path / "segments")}
+    published = {s: Store.attach(path)._record(s).sample_ids for s in os.listdir(path / "segments")}
 
     ready = CTX.Event()
     consumer = CTX.Process(target=claim_and_hang, args=(str(path), ready))

@@ -148,7 +148,7 @@ def _samples(cfg: Config, samples: int | None) -> tuple[int | None, str]:
 
     if samples:
         return samples, "given (--samples)"
-    expected = getattr(cfg.data, "expected_samples", None)
+    expected = cfg.data.expected_samples
     if expected:
         return expected, "config (data.expected_samples)"
     sizes, how = [], set()
@@ -165,7 +165,7 @@ def _samples(cfg: Config, samples: int | None) -> tuple[int | None, str]:
 def _mean_tokens(cfg: Config, mean_tokens: float | None, tune: dict | None) -> tuple[float, str]:
     if mean_tokens:
         return mean_tokens, "given (--mean-tokens)"
-    configured = getattr(cfg.data, "mean_tokens", None)
+    configured = cfg.data.mean_tokens
     if configured:
         return configured, "config (data.mean_tokens)"
     if tune and tune.get("mean_tokens"):
@@ -273,9 +273,9 @@ def _time_plan(cfg: Config, shape: TargetShape, layer_ids: list[int], mean: floa
     extractors, trainers = max(extractors, 1), max(trainers, 1)
     est = estimated_rates(cfg, shape, layer_ids, mean)
     tune_note = f"measured by tune ({tune.get('device', '?')})" if tune else ""
-    ext_rate, ext_src = _rate(getattr(cfg.extract, "tokens_per_s", None), (tune or {}).get("extract_tok_s"),
+    ext_rate, ext_src = _rate(cfg.extract.tokens_per_s, (tune or {}).get("extract_tok_s"),
                               est["extract_tok_s"], tune_note, est["note"])
-    train_rate, train_src = _rate(getattr(cfg.train, "tokens_per_s", None), (tune or {}).get("train_tok_s"),
+    train_rate, train_src = _rate(cfg.train.tokens_per_s, (tune or {}).get("train_tok_s"),
                                   est["train_tok_s"], tune_note, est["note"])
     data_note = ("not estimated: regeneration decodes up to data.generation.max_new_tokens per sample with the "
                  "target, typically longer than extraction itself" if cfg.data.regenerate
@@ -346,7 +346,7 @@ def render_plan(plan: dict[str, Any]) -> str:
         f"  budget {fmt_bytes(b['budget_bytes'])}: {b['segments_in_budget']} segments of "
         f"{fmt_bytes(b['segment_raw_bytes'])} raw / {fmt_bytes(b['segment_stored_bytes'])} stored",
         f"  {fmt_count(b['segments_per_pass'])} segments per extraction pass x {b['passes']} pass(es); "
-        f"the buffer wraps {_fmt_wraps(b['wraps'])}",
+        f"{_fmt_wraps(b['wraps'])}",
         f"  disk at {disk['checked']}: {fmt_bytes(disk['free_bytes'])} free, "
         f"{fmt_bytes(disk['headroom_bytes'])} left after the budget",
     ]
@@ -360,7 +360,7 @@ def render_plan(plan: dict[str, Any]) -> str:
         out.append(f"  {name:<8}{fmt_duration(ph.get('seconds')):>10}  {ph['tok_s_per_process']:>12,.0f} tok/s x "
                    f"{ph['processes']}  [{ph['source']}]")
     st = tp["phases"]["store"]
-    out.append(f"  {'store':<8}{fmt_duration(st.get('encode_cpu_seconds')):>10}  CPU encode time, overlapped "
+    out.append(f"  {'store':<8}{fmt_duration(st.get('encode_cpu_seconds')):>10}  encoding, summed over extractors "
                f"[{st['source']}]")
     out.append(f"  {'export':<8}{'-':>10}  {tp['phases']['export']['source']}")
     out.append(f"  {'total':<8}{fmt_duration(tp['total_seconds']):>10}")
@@ -376,5 +376,5 @@ def render_plan(plan: dict[str, Any]) -> str:
 
 def _fmt_wraps(wraps: float | None) -> str:
     if wraps is None:
-        return "? times"
-    return f"{wraps:,.1f} times" if wraps > 1 else "never (all the data fits in the budget)"
+        return "the buffer wraps ? times"
+    return f"the buffer wraps {wraps:,.1f} times" if wraps > 1 else "all the data fits: the buffer never wraps"

@@ -128,7 +128,7 @@ def _live_store(out: Path) -> dict[str, Any] | None:
     if not path or not (Path(path) / "store.json").is_file():
         return None
     try:
-        return Store._attach(path).status()  # read-only inspection of an existing store
+        return Store.attach(path).status()  # read-only inspection of an existing store
     except (StoreError, OSError):
         return None  # deleted or half-written while we looked: the metrics still tell the story
 

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from dflash_stream.config import Config, dump_config, load_config
 from dflash_stream.errors import DFlashError
 from dflash_stream.log import get_logger, setup_logging
-from dflash_stream.observe.metrics import MetricsWriter
+from dflash_stream.observe.metrics import MetricsWriter, TrainingTracker
 from dflash_stream.pipeline.audit import audit_run, format_audit
 from dflash_stream.pipeline.common import open_store, store_layout
 from dflash_stream.pipeline.roles import RoleInfo, assign_role, init_distributed
@@ -204,8 +204,11 @@ def run_command(args: argparse.Namespace) -> int:
             layer_ids, cfg.store.path, cfg.store.budget.human_readable(), cfg.store.codec,
         )
     store = _first_rank_opens_store(cfg, role, layer_ids, hidden_size)
-    metrics = MetricsWriter(output, role.role, role.index)
-    metrics.log("start", pid=os.getpid(), host=os.uname().nodename, config=cfg.model_dump(mode="json"))
+    metrics = (
+        TrainingTracker(output, role.role, role.index, tensorboard=cfg.metrics.tensorboard)
+        if role.role in ("trainer", "single") else MetricsWriter(output, role.role, role.index)
+    )
+    metrics.log("start", config=cfg.model_dump(mode="json"))
     try:
         if role.role == "single":
             fields = run_single(cfg, role, store, metrics, device)

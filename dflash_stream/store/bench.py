@@ -127,7 +127,7 @@ def bench_codec(codec: str, data, fingerprint: dict, work: Path) -> dict[str, ob
         start = time.perf_counter()
         writer.write(samples)
         write_s = min(write_s, time.perf_counter() - start)
-    store = Store._attach(path)
+    store = Store.attach(path)
     consumer = store.consumer("bench")
     claim = consumer.claim(timeout=0)
     read_s, got = _best(lambda: consumer.read(claim))

@@ -32,7 +32,7 @@ def _status(args: argparse.Namespace) -> int:
     from dflash_stream.store.store import Store
 
     try:
-        status = Store._attach(args.path).status()
+        status = Store.attach(args.path).status()
     except StoreError as err:
         return _fail(err)
     if args.json:
@@ -58,7 +58,7 @@ def _dump(args: argparse.Namespace) -> int:
     from dflash_stream.store.store import Store
 
     try:
-        store = Store._attach(args.path)
+        store = Store.attach(args.path)
         segment_id = store._find_sample(args.sample_id)
         sample = next(s for s in read_segment(segment_id, store.path / "segments" / segment_id)
                       if s.sample_id == args.sample_id)

@@ -143,7 +143,7 @@ class Store:
         return cls(path, manifest, budget)
 
     @classmethod
-    def _attach(cls, path: str | os.PathLike) -> Store:
+    def attach(cls, path: str | os.PathLike) -> Store:
         """An existing store with the parameters it was last opened with (for inspection commands)."""
         path = Path(path)
         if not (path / "store.json").is_file():
