@@ -205,8 +205,7 @@ def test_real_target_output_is_identical(demo_model, real_target):
     drafter = DFlashDrafter(spec).eval()
     head = TargetHead.from_model(target)
     stops = stop_token_ids(target, tokenizer)
-    for row in PROMPTS[:2]:
-        ids = torch.tensor([render_prompt(tokenizer, row)])
-        base = greedy_generate(target, ids, 12, stops)
-        fast = speculative_generate(target, drafter, head, ids, 12, stops)
-        assert fast.tokens == base.tokens and len(base.tokens) > 1
+    ids = torch.tensor([render_prompt(tokenizer, PROMPTS[3])])
+    base = greedy_generate(target, ids, 12, stops)
+    fast = speculative_generate(target, drafter, head, ids, 12, stops)
+    assert fast.tokens == base.tokens and len(base.tokens) > 1

@@ -251,7 +251,7 @@ def test_sigterm_finishes_the_step_checkpoints_and_exits(tmp_path, target_dir, s
 @pytest.mark.slow
 def test_kill_9_mid_run_then_resume_trains_every_sample_exactly_once(tmp_path, target_dir, samples):
     cfg = make_config(tmp_path, target_dir, epochs=2, checkpoint_every=3)
-    store = fill_store(cfg, samples)
+    store = fill_store(cfg, samples[:30])
     output = Path(cfg.output_dir)
     proc = _launch_train(_write_yaml(cfg, tmp_path))
 
@@ -269,7 +269,7 @@ def test_kill_9_mid_run_then_resume_trains_every_sample_exactly_once(tmp_path, t
     assert resumed.steps == durable
     assert resumed.run() is True
     resumed.close()
-    assert_exactly_once(output, samples, epochs=2)
+    assert_exactly_once(output, samples[:30], epochs=2)
     assert_store_drained(store)
 
 
@@ -296,6 +296,35 @@ def test_until_idle_trains_what_is_ready_releases_it_and_returns(tmp_path, targe
     assert_store_drained(store)
     # No data report: the length was unknown while the store held a part of the data; it never hit zero.
     assert all(e["lr"] > 0 for e in read_metrics(cfg.output_dir) if e["event"] == "train")
+
+
+def test_a_blocked_extractor_makes_the_trainer_checkpoint_and_release(tmp_path, target_dir, samples):
+    """A buffer too small for the data: the writer blocks on the budget, and the trainer, which still has
+    segments to train, must checkpoint and release the finished ones rather than wait for its next
+    scheduled checkpoint (which never comes here): otherwise both sides wait forever."""
+    import threading
+
+    cfg = make_config(tmp_path, target_dir, epochs=1, checkpoint_every=1000, grad_accum=2)
+    cfg.store.budget = 600_000
+    store = open_store(cfg, LAYER_IDS, HIDDEN)
+    store.set_expected_writers(1)
+    writer = store.writer("test-writer")
+
+    def extract() -> None:
+        for start in range(0, 40, 4):
+            writer.write(samples[start:start + 4])
+        writer.finish()
+
+    extractor = threading.Thread(target=extract)
+    extractor.start()
+    trainer = new_trainer(cfg)
+    assert trainer.run() is True
+    trainer.close()
+    extractor.join(timeout=60)
+    assert writer.waited_seconds > 0
+    reasons = [e["reason"] for e in read_metrics(cfg.output_dir) if e["event"] == "checkpoint"]
+    assert "extractors are blocked on the full buffer" in reasons
+    assert_exactly_once(Path(cfg.output_dir), samples, epochs=1)
 
 
 def _free_port() -> int:

@@ -52,7 +52,7 @@ class TokenBatcher:
             self._queue.append(Member(segment_id, sample))
 
     def _cut(self) -> int:
-        """How many queued samples the next batch takes, and whether that batch is full."""
+        """How many queued samples the next batch takes."""
         count, longest = 0, 0
         for member in self._queue:
             widest = max(longest, member.length)

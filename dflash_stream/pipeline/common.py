@@ -48,7 +48,8 @@ def store_fingerprint(cfg: Config, layer_ids: list[int], hidden_size: int) -> di
 def max_segment_raw_bytes(cfg: Config, num_layers_captured: int, hidden_size: int) -> int:
     """A segment is filled to `store.segment_bytes`, but one sample of `max_length` tokens may exceed that."""
     per_token = num_layers_captured * hidden_size * 2 + 4 + 1  # bf16 states + int32 id + mask byte
-    return max(int(cfg.store.segment_bytes), cfg.data.max_length * per_token)
+    # + that sample's id and offset and the closing offset, as the store counts a segment's raw bytes
+    return max(int(cfg.store.segment_bytes), cfg.data.max_length * per_token + 24)
 
 
 def open_store(cfg: Config, layer_ids: list[int], hidden_size: int, create: bool = True):
@@ -63,4 +64,14 @@ def open_store(cfg: Config, layer_ids: list[int], hidden_size: int, create: bool
         fingerprint=store_fingerprint(cfg, layer_ids, hidden_size),
         max_segment_raw_bytes=max_segment_raw_bytes(cfg, len(layer_ids), hidden_size),
         create=create,
+    )
+
+
+def log_store_event(metrics, store, **fields: Any) -> None:
+    """A `store` metrics event: the buffer's fill as the store itself accounts it (for status, report, peak)."""
+    st = store.status()
+    metrics.log(
+        "store", used_bytes=st["used_bytes"], reserved_bytes=st["reserved_bytes"], budget_bytes=st["budget_bytes"],
+        ready=st["segments"]["ready"], claimed=st["segments"]["claimed"],
+        segments_released=st["segments"]["released"], **fields,
     )

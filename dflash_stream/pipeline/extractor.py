@@ -26,7 +26,7 @@ from dflash_stream.data import PreparedSample, prepare_shard, take_batch
 from dflash_stream.errors import DFlashError
 from dflash_stream.log import get_logger, progress, setup_logging
 from dflash_stream.observe.metrics import MetricsWriter
-from dflash_stream.pipeline.common import data_spec_digest, open_store, store_layout
+from dflash_stream.pipeline.common import data_spec_digest, log_store_event, open_store, store_layout
 from dflash_stream.pipeline.roles import RoleInfo, assign_uniform
 from dflash_stream.store import Sample, Store, StoreFull
 from dflash_stream.target import load_target, resolve_device, resolve_layer_ids, text_config
@@ -193,6 +193,7 @@ class Extractor:
         self._run_started = 0.0
         self._forwarded_tokens = 0
         self._done = False
+        self._segments_written = 0
 
     # -- the public loop ------------------------------------------------------------------------------------
 
@@ -375,6 +376,8 @@ class Extractor:
             tok_s=round(self.tokens_written / max(elapsed, 1e-9), 1),
             backpressure_s=round(self.backpressure_seconds, 3),
         )
+        self._segments_written += 1
+        log_store_event(self.metrics, self.store, segments_written=self._segments_written)
 
     def _finish_report(self) -> None:
         """With regeneration, the samples whose response was too short leave the report's kept ids."""

@@ -403,7 +403,7 @@ class Trainer:
         self.latest_checkpoint = path
         self._revise_schedule()
         log.info("checkpoint step-%d (%s); released %d segment use(s)", self.steps, reason, len(finished))
-        self.metrics.log("checkpoint", step=self.steps, path=str(path), released=len(finished))
+        self.metrics.log("checkpoint", step=self.steps, path=str(path), released=len(finished), reason=reason)
 
     def _barrier(self) -> None:
         if self.group is not None:
