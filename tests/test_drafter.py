@@ -195,6 +195,12 @@ def test_flex_attention_matches_sdpa_on_cpu():
     torch.testing.assert_close(flex, dense, atol=1e-5, rtol=1e-5)
 
 
+def test_flex_attention_refuses_training_off_cuda():
+    drafter = DFlashDrafter(small_spec(), attention="flex")
+    with pytest.raises(ConfigError, match="drafter.attention=flex"):
+        drafter.block_mask(torch.tensor([[2, 5]]), 10)
+
+
 # ---------------------------------------------------------------------------- loss
 
 

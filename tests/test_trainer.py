@@ -362,3 +362,15 @@ def test_two_trainers_stay_in_lockstep_and_share_the_data_exactly_once(tmp_path,
                    for line in f.read_text().splitlines()) for r in (0, 1)]
     assert min(ledgers) > 0  # both ranks trained
     assert (output / "drafter" / "config.json").is_file()
+
+
+@pytest.mark.slow
+def test_train_refuses_a_store_made_by_another_config_in_one_line(tmp_path, target_dir, samples):
+    cfg = make_config(tmp_path, target_dir)
+    fill_store(cfg, samples[:5])
+    cfg.data.max_length = 64  # part of the store's fingerprint
+    proc = _launch_train(_write_yaml(cfg, tmp_path))
+    out = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 2, out[-2000:]
+    errors = [line for line in out.splitlines() if line.startswith("dflash-stream: error:")]
+    assert len(errors) == 1 and "max_length" in errors[0] and "Traceback" not in out

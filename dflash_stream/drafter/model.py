@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
+from dflash_stream.config import ConfigError
 from dflash_stream.drafter.spec import DrafterSpec
 
 KV = tuple[Tensor, Tensor]  # keys, values of the context: [N, G, S, Dh] each
@@ -166,6 +167,9 @@ class DFlashDrafter(nn.Module):
         kv_len = context_len + q_len
         use_flex = self.attention == "flex" or (self.attention == "auto" and anchors.is_cuda)
         if use_flex:
+            if not anchors.is_cuda and torch.is_grad_enabled():
+                # Off CUDA FlexAttention runs uncompiled, and torch warns its backward pass may be wrong.
+                raise ConfigError("drafter.attention=flex trains only on CUDA; use auto or sdpa on this device")
             return create_block_mask(mask_mod, n, None, q_len, kv_len, device=anchors.device)
         dev = anchors.device
         b = torch.arange(n, device=dev)[:, None, None, None]

@@ -485,7 +485,7 @@ class Trainer:
             return
         if self._starved_since is None:
             self._starved_since = time.perf_counter()
-            log.info("waiting for data: no segment is ready (store: %s)", self.store.status()["segments"])
+            log.info("waiting for data: no decoded segment at hand (store segments: %s)", self.store.status()["segments"])
         started = time.perf_counter()
         self._take_segment(timeout=WAIT_POLL_SECONDS)
         self.data_wait_seconds += time.perf_counter() - started
