@@ -22,7 +22,7 @@ from dflash_stream.pipeline.audit import audit_run
 
 REPO = Path(__file__).parent.parent
 LAUNCH_2CPU = REPO / "launch" / "cpu-2proc.yaml"
-BUDGET = 700_000
+BUDGET = 1_200_000
 
 
 def _rows(n: int) -> list[dict]:
@@ -42,15 +42,15 @@ def _rows(n: int) -> list[dict]:
     return rows[:n]
 
 
-def write_run_config(tmp: Path, target_dir: Path, **overrides) -> Path:
+def write_run_config(tmp: Path, target_dir: Path, rows: int = 48, **overrides) -> Path:
     data = tmp / "rows.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in _rows(48)))
+    data.write_text("".join(json.dumps(r) + "\n" for r in _rows(rows)))
     cfg = {
         "output_dir": str(tmp / "out"),
         "target": {"model": str(target_dir), "dtype": "float32", "device": "cpu", "num_capture_layers": 3},
         "data": {"sources": [{"path": str(data), "format": "prompt_response"}], "max_length": 96},
         "extract": {"batch_tokens": 512},
-        "store": {"path": str(tmp / "out" / "store"), "budget": BUDGET, "segment_bytes": 48_000},
+        "store": {"path": str(tmp / "out" / "store"), "budget": BUDGET, "segment_bytes": 100_000},
         "drafter": {"num_layers": 1, "block_size": 4},
         "train": {"epochs": 2, "batch_tokens": 256, "num_anchors": 8, "checkpoint_every": 4, "log_every": 2},
         "roles": {"trainers": 1},
@@ -108,14 +108,17 @@ def finish(proc: subprocess.Popen, timeout: float = 400) -> str:
     return out
 
 
-def rank_pids(output: Path) -> dict[str, int]:
-    pids = {}
+def events(output: Path) -> list[dict]:
+    found = []
     for path in (output / "metrics").glob("*.jsonl"):
         for line in path.read_text().splitlines():
-            event = json.loads(line)
-            if event["event"] == "start":
-                pids[f"{event['role']}-{event['rank']}"] = event["pid"]
-    return pids
+            with contextlib.suppress(json.JSONDecodeError):  # a line being written right now
+                found.append(json.loads(line))
+    return found
+
+
+def rank_pids(output: Path) -> dict[str, int]:
+    return {f"{e['role']}-{e['rank']}": e["pid"] for e in events(output) if e["event"] == "start"}
 
 
 def assert_exactly_once(output: Path, epochs: int) -> None:
@@ -128,7 +131,7 @@ def assert_exactly_once(output: Path, epochs: int) -> None:
 
 @pytest.mark.slow
 def test_combined_run_under_accelerate(tiny_target_dir, tmp_path):
-    config = write_run_config(tmp_path, tiny_target_dir)
+    config = write_run_config(tmp_path, tiny_target_dir, rows=120)
     with DiskSampler(tmp_path / "out" / "store") as disk:
         out = finish(launch(config))
     output = tmp_path / "out"
@@ -149,17 +152,22 @@ def test_combined_run_under_accelerate(tiny_target_dir, tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("victim", ["extractor-0", "trainer-0", "launch"])
 def test_kill_at_random_moment_then_resume(tiny_target_dir, tmp_path, victim):
-    config = write_run_config(tmp_path, tiny_target_dir)
+    config = write_run_config(tmp_path, tiny_target_dir, rows=200)
     output = tmp_path / "out"
-    rng = random.Random(hash(victim) & 0xFFFF)
+    rng = random.Random()
     with DiskSampler(output / "store") as disk:
         proc = launch(config)
-        deadline = time.time() + 120
-        while time.time() < deadline and len(list((output / "ledger").glob("*/*.jsonl"))) == 0:
-            time.sleep(0.2)  # wait until training is under way, so the kill lands mid-stream
-        time.sleep(rng.uniform(0.0, 3.0))
-        if victim == "launch":
+        deadline = time.time() + 180
+        # Wait until training is under way while the extractor is held back by the small budget,
+        # so the kill lands mid-stream on both sides.
+        while time.time() < deadline and not any(e["event"] == "train" for e in events(output)):
+            time.sleep(0.1)
+        time.sleep(rng.uniform(0.0, 1.5))
+        if victim == "launch":  # the whole job at once, as a node failure would: launcher and every rank
             os.killpg(proc.pid, signal.SIGKILL)
+            for pid in rank_pids(output).values():  # torchrun starts its workers in sessions of their own
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
         else:
             os.kill(rank_pids(output)[victim], signal.SIGKILL)
         proc.communicate(timeout=120)
@@ -209,5 +217,5 @@ def test_bad_config_refused_before_any_work(tiny_target_dir, tmp_path, capsys, m
 def test_store_from_another_config_refused(tiny_target_dir, tmp_path, capsys):
     config = write_run_config(tmp_path, tiny_target_dir, **{"train.epochs": 1})
     assert main(["run", "--config", str(config), "--data.sources.0.limit=4"]) == 0
-    err = _refused(config, capsys, "--data.max_length=64")
+    err = _refused(config, capsys, "--data.sources.0.limit=4", "--data.max_length=64")
     assert "max_length" in err

@@ -84,16 +84,18 @@ def _peak_store_bytes(output: Path) -> int:
     return max(peaks, default=0)
 
 
-def write_summary(cfg: Config, started: float) -> dict[str, Any]:
-    """OUTPUT/summary.json from every rank's part, and a closing table."""
+def write_summary(cfg: Config, store, started: float) -> dict[str, Any]:
+    """OUTPUT/summary.json from every rank's part and the store's records, and a closing table."""
     output = Path(cfg.output_dir)
     parts = [json.loads(p.read_text()) for p in sorted((output / SUMMARY_PARTS).glob("*.json"))]
     extractors = [p for p in parts if p["role"] in ("extractor", "single")]
     trainers = [p for p in parts if p["role"] in ("trainer", "single")]
     lead = next((p for p in trainers if p["index"] == 0), {})
+    # Counted from the store's records, so a resumed run reports the whole run, not only its last launch.
+    published = store.published()
     summary = {
-        "samples_extracted": sum(p.get("samples_extracted", 0) for p in extractors),
-        "tokens_extracted": sum(p.get("tokens_extracted", 0) for p in extractors),
+        "samples_extracted": sum(len(info.sample_ids) for info in published),
+        "tokens_extracted": sum(info.num_tokens for info in published),
         "samples_trained": sum(p.get("samples_trained", 0) for p in trainers),
         "steps": lead.get("steps", 0),
         "budget_bytes": int(cfg.store.budget),
@@ -150,14 +152,12 @@ def _trainer_fields(trainer) -> dict[str, Any]:
 
 def _extractor_fields(extractor) -> dict[str, Any]:
     return {
-        "samples_extracted": extractor.samples_written,
-        "tokens_extracted": extractor.tokens_written,
         "extract_seconds": extractor.extract_seconds,
         "backpressure_seconds": extractor.backpressure_seconds,
     }
 
 
-def run_single(cfg: Config, role: RoleInfo, store, metrics: MetricsWriter, device: torch.device) -> dict[str, Any]:
+def run_single(cfg: Config, role: RoleInfo, store, metrics: MetricsWriter, device: torch.device) -> tuple[dict, bool]:
     """One process: extract until the buffer is full, train on what is ready, release, repeat."""
     from dflash_stream.pipeline.extractor import Extractor
     from dflash_stream.pipeline.trainer import Trainer
@@ -168,23 +168,27 @@ def run_single(cfg: Config, role: RoleInfo, store, metrics: MetricsWriter, devic
     while not extractor.run(until_full=True):
         rounds += 1
         log.info("buffer full: training on the ready segments (round %d)", rounds)
-        trainer.run(until_idle=True)
-    trainer.run()
-    return {**_extractor_fields(extractor), **_trainer_fields(trainer), **_finish_training(cfg, role, trainer)}
+        if trainer.run(until_idle=True) or trainer.stopped_by:  # train.max_steps reached, or a signal
+            break
+    finished = trainer.stopped_by is None and trainer.run()
+    fields = {**_extractor_fields(extractor), **_trainer_fields(trainer)}
+    return ({**fields, **_finish_training(cfg, role, trainer)} if finished else fields), finished
 
 
-def run_role(cfg: Config, role: RoleInfo, store, metrics: MetricsWriter, device: torch.device) -> dict[str, Any]:
+def run_role(cfg: Config, role: RoleInfo, store, metrics: MetricsWriter, device: torch.device) -> tuple[dict, bool]:
+    """(summary fields, finished): False when a trainer was stopped by a signal after its checkpoint."""
     if role.role == "extractor":
         from dflash_stream.pipeline.extractor import Extractor
 
         extractor = Extractor(cfg, role, store, metrics, device)
         extractor.run()
-        return _extractor_fields(extractor)
+        return _extractor_fields(extractor), True
     from dflash_stream.pipeline.trainer import Trainer
 
     trainer = Trainer(cfg, role, store, metrics, device)
-    trainer.run()
-    return {**_trainer_fields(trainer), **_finish_training(cfg, role, trainer)}
+    if not trainer.run():
+        return _trainer_fields(trainer), False
+    return {**_trainer_fields(trainer), **_finish_training(cfg, role, trainer)}, True
 
 
 def run_command(args: argparse.Namespace) -> int:
@@ -210,13 +214,13 @@ def run_command(args: argparse.Namespace) -> int:
     )
     metrics.log("start", config=cfg.model_dump(mode="json"))
     try:
-        if role.role == "single":
-            fields = run_single(cfg, role, store, metrics, device)
-        else:
-            fields = run_role(cfg, role, store, metrics, device)
+        fields, finished = (run_single if role.role == "single" else run_role)(cfg, role, store, metrics, device)
+        if not finished:
+            log.info("stopped by a signal after a durable checkpoint; run the same command again to resume")
+            return 143
         _write_summary_part(output, role, {"role": role.role, "index": role.index, **fields})
         if role.role in ("single", "trainer") and role.index == 0:
-            summary = write_summary(cfg, started)
+            summary = write_summary(cfg, store, started)
             metrics.log("end", summary=summary)
     finally:
         metrics.close()

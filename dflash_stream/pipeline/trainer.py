@@ -26,10 +26,10 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
 
-from dflash_stream.config import Config, load_config
+from dflash_stream.config import Config, dump_config, load_config
 from dflash_stream.errors import DFlashError
 from dflash_stream.log import get_logger, progress
-from dflash_stream.observe.metrics import MetricsWriter
+from dflash_stream.observe.metrics import MetricsWriter, TrainingTracker
 from dflash_stream.pipeline import checkpoint as ckpt
 from dflash_stream.pipeline.batches import Member, SegmentFeed, TokenBatcher, collate
 from dflash_stream.pipeline.roles import RoleInfo
@@ -42,6 +42,9 @@ log = get_logger(__name__)
 
 WAIT_POLL_SECONDS = 2.0
 """How long a starved rank blocks on the store before the ranks compare notes again."""
+HOLDING_SHARE = 0.25
+"""Share of store.budget that finished-but-unreleased segments must reach before extractors waiting on a full
+buffer make the trainers checkpoint (a checkpoint per step would cost more than the extractors' wait)."""
 
 
 class WarmupCosine:
@@ -273,8 +276,9 @@ class Trainer:
         segments = self.store.status()["segments"]
         return segments["ready"] == 0 and segments["claimed"] <= len(self.uses)
 
-    def _holding_finished(self) -> bool:
-        return any(use.done for use in self.uses.values())
+    def _finished_bytes(self) -> int:
+        """Disk bytes of the segment uses this rank finished but has not released (a checkpoint frees them)."""
+        return sum(use.claim.bytes for use in self.uses.values() if use.done)
 
     # ---------------------------------------------------------------- one step
 
@@ -315,7 +319,7 @@ class Trainer:
 
     def _sync(self, micro: int, tokens: int, samples: int) -> dict[str, Any]:
         """One all-reduce of flags and statistics; every rank takes the same decisions from its result."""
-        exhausted, holding = self._exhausted(), self._holding_finished()
+        exhausted, holding = self._exhausted(), self._finished_bytes()
         flags = [
             micro > 0,
             self._stop_signal is not None,
@@ -332,7 +336,9 @@ class Trainer:
         trained, stop, waiting, exhausted_ranks, holding, starved, tokens, samples = vec[: len(flags)]
         return {
             "trained": trained > 0, "stop": stop > 0, "writers_waiting": waiting > 0,
-            "all_exhausted": exhausted_ranks == self.trainers, "holding": holding > 0, "starved": starved > 0,
+            "all_exhausted": exhausted_ranks == self.trainers, "holding": holding > 0,
+            # Checkpointing for blocked extractors pays only once it frees a real share of the buffer.
+            "holding_much": holding >= int(self.cfg.store.budget) * HOLDING_SHARE, "starved": starved > 0,
             "tokens": int(tokens), "samples": int(samples),
         }
 
@@ -464,7 +470,7 @@ class Trainer:
                     return False
                 # The deadlock rule: finished segments a checkpoint would free must not sit unreleased while
                 # extractors wait for space, or while a trainer waits for data (their next use may be it).
-                if flags["holding"] and flags["writers_waiting"]:
+                if flags["holding_much"] and flags["writers_waiting"]:
                     self._checkpoint("extractors are blocked on the full buffer")
                 elif flags["holding"] and flags["starved"]:
                     self._checkpoint("a trainer ran out of ready data")
@@ -587,18 +593,17 @@ def train_command(args: argparse.Namespace) -> int:
     from dflash_stream.log import setup_logging
     from dflash_stream.pipeline.common import open_store, store_layout
     from dflash_stream.pipeline.roles import assign_uniform, init_distributed
-    from dflash_stream.store import StoreError
 
     cfg = load_config(args.config, args.overrides)
     role = assign_uniform("trainer")
     setup_logging("trainer", role.index, show_bar=role.speaks_for_role)
     device = init_distributed() if cfg.target.device == "auto" else torch.device(cfg.target.device)
     layer_ids, hidden_size = store_layout(cfg)
-    try:
-        store = open_store(cfg, layer_ids, hidden_size, create=False)
-    except StoreError as err:
-        raise DFlashError(str(err)) from None
-    metrics = MetricsWriter(cfg.output_dir, "trainer", role.index)
+    store = open_store(cfg, layer_ids, hidden_size, create=False)
+    if role.index == 0:
+        Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
+        (Path(cfg.output_dir) / "config.yaml").write_text(dump_config(cfg))
+    metrics = TrainingTracker(cfg.output_dir, "trainer", role.index, tensorboard=cfg.metrics.tensorboard)
     metrics.log("start", config=cfg.model_dump(mode="json"))
     trainer = Trainer(cfg, role, store, metrics, device)
     try:

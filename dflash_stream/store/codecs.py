@@ -1,106 +1,207 @@
-"""How hidden states become zarr arrays, per `store.codec`.
+"""How hidden states become zarr v3 arrays, per `store.codec`, and how one chunk becomes bytes.
 
-Every codec writes arrays chunked along tokens with a crc32c checksum as the last codec, so any flipped byte
-is caught when the chunk is read.
+Every array is chunked along its first axis only, so each chunk is a contiguous slab of the array, and each
+chunk is stored as zarr's `zstd` then `crc32c` codecs would store it (or `crc32c` alone): zarr-python reads a
+segment as it is, while the store encodes and decodes the chunks itself, in parallel, straight between the
+states and the chunk files (zarr's codec pipeline costs more than the compression).
 
 - `lossless`: bf16 split into its two byte planes. The high plane (sign, exponent, top mantissa bit) is stored
-  transposed, channel-major, so zstd sees each channel's slowly varying exponent as one run; the low plane
-  (low mantissa bits) is near-random, so it is stored as is: zstd gains under 1 % on it at a large cost in
-  speed. Bit-exact.
-- `fp8`: e4m3 with one float32 scale per token per layer (massive activations live in a few channels of deep
-  layers, so one scale per token would crush the other layers), then zstd over the channel-major bytes.
+  in groups of `GROUP` channels, group-major: zstd then sees each group's narrow set of exponents together,
+  which beats full transposition (measured 3.21x vs 3.10x on that plane) at a fraction of the cost. The low
+  plane (low mantissa bits) is near-random, so it is stored as is: zstd gains nothing there. Bit-exact.
+- `fp8`: from each channel the segment's mean is subtracted (hidden states carry large per-channel offsets);
+  of what is left, each token and layer keeps its largest value exactly ("peak": channel and bf16 bits) and
+  the rest becomes e4m3 scaled by its own maximum, stored channel-major and zstd-coded. Measured on SmolLM2:
+  0.60 % relative error at 2.49x, where one plain scale per token and layer gives 0.80 %.
 - `none`: the raw uint16 view, for comparison.
 """
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
+import google_crc32c
 import numpy as np
 import torch
-import zarr
-from zarr.codecs import Crc32cCodec, ZstdCodec
+from numcodecs import Zstd
 
 CODECS = ("lossless", "fp8", "none")
-PLANE_CHUNK_BYTES = 2 << 20
-"""Bytes of one byte plane per chunk: zstd gains little beyond this and chunks stay a unit of parallel work."""
-SLAB_BYTES = 2 << 20
-"""Rows transposed at a time: a slab that fits in cache transposes several times faster than the whole."""
+PLANE_CHUNK_BYTES = 1 << 20
+"""Bytes per chunk: zstd gains nothing from more, and a segment gives each core several chunks to code."""
+GROUP = 32
+"""Channels per group of the lossless high-byte plane (measured best among 4..64)."""
+ZSTD_LEVEL = 1  # higher levels are slower and, on the exponent plane, compress less
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
+CHECKSUM_BYTES = 4
+_ZSTD = Zstd(level=ZSTD_LEVEL)  # numcodecs' Zstd, the one zarr's ZstdCodec uses; it releases the GIL
 
 
-def chunk_shapes(tokens: int, width: int) -> tuple[tuple[int, int], tuple[int, int]]:
-    """(channel-major [channels, tokens], token-major [tokens, width]) chunk shapes of one byte plane.
-    Channel-major chunks split channels and keep every token, so each channel's run spans the segment."""
-    return (max(1, min(width, PLANE_CHUNK_BYTES // tokens)), tokens), (max(1, min(tokens, PLANE_CHUNK_BYTES // width)), width)
+@dataclass(frozen=True)
+class ArraySpec:
+    """One array of a segment, chunked along its first axis `rows` at a time."""
+
+    shape: tuple[int, ...]
+    rows: int
+    dtype: str
+    compress: bool = True
+
+    @property
+    def chunks(self) -> tuple[int, ...]:
+        return (self.rows, *self.shape[1:])
+
+    @property
+    def num_chunks(self) -> int:
+        return -(-self.shape[0] // self.rows)
+
+    def stored_bound(self) -> int:
+        """Most bytes its chunk files hold: zarr pads the last chunk to full size, zstd's worst case adds a
+        little, every chunk carries a checksum."""
+        padded = self.num_chunks * math.prod(self.chunks) * np.dtype(self.dtype).itemsize
+        coded = padded + padded // 128 + 64 * self.num_chunks if self.compress else padded
+        return coded + CHECKSUM_BYTES * self.num_chunks
 
 
-def _array(group: zarr.Group, name: str, data: np.ndarray, chunks: tuple[int, ...], compress: bool = True) -> None:
-    arr = group.create_array(
-        name, shape=data.shape, dtype=data.dtype, chunks=chunks, fill_value=0,
-        compressors=[ZstdCodec(level=1), Crc32cCodec()] if compress else [Crc32cCodec()],
-        # Flat chunk files ("c.3.0"): one directory per array, not one per chunk row.
-        chunk_key_encoding={"name": "default", "separator": "."},
-        # Every chunk is written, even all zeros: a missing chunk file then always means damage.
-        config={"write_empty_chunks": True},
-    )
-    arr[...] = data
+def small_spec(shape: tuple[int, ...], dtype: str) -> ArraySpec:
+    """A per-token, per-sample or per-channel array kept as one chunk."""
+    return ArraySpec(shape, max(1, shape[0]), dtype)
 
 
-def write_small(group: zarr.Group, name: str, data: np.ndarray) -> None:
-    """A per-token or per-sample array kept as one chunk."""
-    _array(group, name, data, data.shape or (1,))
+def _rows(length: int, row_bytes: int) -> int:
+    """Rows per chunk: near PLANE_CHUNK_BYTES and as even as possible, as the last chunk is stored padded."""
+    pieces = max(1, -(-length * row_bytes // PLANE_CHUNK_BYTES))
+    return max(1, -(-length // pieces))
 
 
-def _transpose(a: np.ndarray) -> np.ndarray:
-    out = np.empty(a.shape[::-1], dtype=a.dtype)
-    rows = max(1, SLAB_BYTES // (a.shape[1] * a.itemsize))
-    for start in range(0, a.shape[0], rows):
-        out[:, start:start + rows] = a[start:start + rows].T
-    return out
+def group_width(width: int) -> int:
+    return next(g for g in (GROUP, 16, 8, 4, 2, 1) if width % g == 0)
 
 
-def write_states(group: zarr.Group, codec: str, bits: np.ndarray, num_layers: int) -> None:
-    """`bits`: the bf16 states [T, K*D] as uint16."""
-    tokens, width = bits.shape
-    channel_major, token_major = chunk_shapes(tokens, width)
+def state_specs(codec: str, tokens: int, width: int, num_layers: int) -> dict[str, ArraySpec]:
     if codec == "lossless":
-        _array(group, "hidden_hi", _transpose((bits >> 8).astype(np.uint8)), channel_major)
-        _array(group, "hidden_lo", bits.astype(np.uint8), token_major, compress=False)
-    elif codec == "fp8":
-        per_layer = torch.from_numpy((bits.astype(np.uint32) << 16).view(np.float32)).view(tokens, num_layers, -1)
-        amax = per_layer.abs().amax(-1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny)
-        q = (per_layer * (FP8_MAX / amax)).to(torch.float8_e4m3fn).view(torch.uint8).view(tokens, width)
-        scales = amax / FP8_MAX
-        _array(group, "hidden_fp8", _transpose(q.numpy()), channel_major)
-        _array(group, "scales", scales.view(tokens, num_layers).numpy(), (tokens, num_layers))
-    else:
-        _array(group, "hidden", bits, token_major, compress=False)
+        g = group_width(width)
+        return {
+            "hidden_hi": ArraySpec((width // g, tokens, g), _rows(width // g, tokens * g), "uint8"),
+            "hidden_lo": ArraySpec((tokens, width), _rows(tokens, width), "uint8", compress=False),
+        }
+    if codec == "fp8":
+        return {
+            "hidden_fp8": ArraySpec((width, tokens), _rows(width, tokens), "uint8"),
+            "scales": small_spec((tokens, num_layers), "float32"),
+            "peaks": small_spec((tokens, num_layers, 2), "uint16"),
+            "channel_mean": small_spec((width,), "float32"),
+        }
+    return {"hidden": ArraySpec((tokens, width), _rows(tokens, 2 * width), "uint16", compress=False)}
 
 
 def state_arrays(codec: str) -> tuple[str, ...]:
-    return {"lossless": ("hidden_hi", "hidden_lo"), "fp8": ("hidden_fp8", "scales"), "none": ("hidden",)}[codec]
+    return tuple(state_specs(codec, 1, 1, 1))
 
 
-def read_states(arrays: dict[str, np.ndarray], codec: str, num_layers: int) -> torch.Tensor:
+def _high_bytes(bits: np.ndarray) -> np.ndarray:
+    """The high byte plane [groups, tokens, group], in group-major order: a view of `bits`."""
+    tokens, width = bits.shape
+    g = group_width(width)
+    grouped = bits.view(np.uint8).reshape(tokens, width // g, g, 2)  # little-endian: byte 1 is the high one
+    return grouped[..., 1].transpose(1, 0, 2)
+
+
+def _bf16_bits_to_float(bits: np.ndarray) -> torch.Tensor:
+    # bf16 kernels on CPU are slow; a bf16 is the top half of a float32.
+    return torch.from_numpy((bits.astype(np.uint32) << 16).view(np.float32))
+
+
+def encode_states(codec: str, bits: np.ndarray, num_layers: int) -> dict[str, np.ndarray]:
+    """The state arrays' contents, shaped as in `state_specs` and cast to their dtype as C casts (so `bits`
+    stands for its own low bytes). Views where possible. `bits`: the bf16 states [T, K*D] as little-endian
+    uint16, C-contiguous."""
+    tokens, width = bits.shape
+    if codec == "lossless":
+        # A strided copy of the low bytes costs several times this cast.
+        return {"hidden_hi": _high_bytes(bits), "hidden_lo": bits}
+    if codec == "fp8":
+        x = _bf16_bits_to_float(bits).view(tokens, num_layers, -1)
+        mean = x.mean(0)
+        rest = x - mean
+        size = rest.abs()
+        peak = size.argmax(-1, keepdim=True)
+        rest.scatter_(-1, peak, 0.0)
+        size.scatter_(-1, peak, 0.0)
+        scales = size.amax(-1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny) / FP8_MAX
+        q = (rest / scales).to(torch.float8_e4m3fn).view(torch.uint8).view(tokens, width).numpy()
+        peak_bits = torch.from_numpy(bits.view(np.int16)).view(tokens, num_layers, -1).gather(-1, peak)
+        peaks = torch.cat([peak.to(torch.int16), peak_bits], -1).numpy().view(np.uint16)
+        return {"hidden_fp8": q.T, "scales": scales.view(tokens, num_layers).numpy(), "peaks": peaks,
+                "channel_mean": mean.view(width).numpy()}
+    return {"hidden": bits}
+
+
+def decode_states(codec: str, arrays: dict[str, np.ndarray], num_layers: int) -> torch.Tensor:
     """bf16 [T, K*D], a view of one freshly decoded buffer."""
     if codec == "lossless":
-        lo = arrays["hidden_lo"]
-        bits = _transpose(arrays["hidden_hi"]).astype(np.uint16) << 8
-        bits |= lo
-        return torch.from_numpy(bits.view(np.int16)).view(torch.bfloat16)
-    if codec == "fp8":
-        q = torch.from_numpy(_transpose(arrays["hidden_fp8"]))
-        q = q.view(torch.float8_e4m3fn)
-        scales = torch.from_numpy(arrays["scales"])
+        bits = arrays["hidden_lo"].astype("<u2")
+        _high_bytes(bits)[...] = arrays["hidden_hi"]
+    elif codec == "fp8":
+        q = torch.from_numpy(arrays["hidden_fp8"].T).view(torch.float8_e4m3fn)
         tokens, width = q.shape
-        deq = q.float().view(tokens, num_layers, -1) * scales.unsqueeze(-1)
-        return deq.to(torch.bfloat16).view(tokens, width)
-    return torch.from_numpy(arrays["hidden"]).view(torch.bfloat16)
+        scales = torch.from_numpy(arrays["scales"]).unsqueeze(-1)
+        mean = torch.from_numpy(arrays["channel_mean"]).view(num_layers, -1)
+        states = (q.float().view(tokens, num_layers, -1) * scales + mean).to(torch.bfloat16)
+        peaks = torch.from_numpy(arrays["peaks"].view(np.int16))
+        states.view(torch.int16).scatter_(-1, peaks[..., :1].long(), peaks[..., 1:])
+        return states.view(tokens, width)
+    else:
+        bits = arrays["hidden"]
+    return torch.from_numpy(bits.view(np.int16)).view(torch.bfloat16)
 
 
-UNCOMPRESSED_BYTES_PER_VALUE = {"lossless": 1, "fp8": 0, "none": 2}
-"""Bytes per state value kept without compression, so zarr's zero padding of the last chunk is real."""
+# ---- one chunk ------------------------------------------------------------------------------------------------
+def encode_chunk(part: np.ndarray, spec: ArraySpec) -> memoryview:
+    """A chunk file's bytes from `part`, the chunk's slab of the array's content (any strides and integer
+    type; the last slab may be short and is padded with zarr's fill value, zero)."""
+    dtype = np.dtype(spec.dtype).newbyteorder("<")
+    if spec.compress and part.dtype == dtype and len(part) == spec.rows and part.flags.c_contiguous:
+        frame = _ZSTD.encode(part)
+        return memoryview(frame + _checksum(frame))
+    size = math.prod(spec.chunks) * dtype.itemsize
+    buf = np.empty(size + CHECKSUM_BYTES, dtype=np.uint8)  # room for the checksum when stored as is
+    chunk = buf[:size].view(dtype).reshape(spec.chunks)
+    np.copyto(chunk[: len(part)], part, casting="unsafe")
+    chunk[len(part):] = 0
+    if spec.compress:
+        frame = _ZSTD.encode(chunk)
+        return memoryview(frame + _checksum(frame))
+    buf[size:] = np.frombuffer(_checksum(buf[:size]), dtype=np.uint8)
+    return memoryview(buf)
 
 
-def encoded_bound(raw_bytes: int, chunks: int) -> int:
-    """Largest on-disk payload for `raw_bytes` of arrays in `chunks` chunks (zstd's bound plus the checksum)."""
-    return raw_bytes + raw_bytes // 128 + chunks * (64 + 4)
+def _checksum(data) -> bytes:
+    return google_crc32c.value(data).to_bytes(CHECKSUM_BYTES, "little")
+
+
+def decode_chunk(data: np.ndarray, spec: ArraySpec, out: np.ndarray) -> None:
+    """Check and decode a chunk file's bytes (uint8) into `out`, the chunk's contiguous slab of the array.
+    Raises ValueError on any damage."""
+    payload, stored = data[:-CHECKSUM_BYTES], data[-CHECKSUM_BYTES:]
+    if len(data) < CHECKSUM_BYTES or _checksum(payload) != stored.tobytes():
+        raise ValueError("checksum mismatch")
+    dtype = np.dtype(spec.dtype).newbyteorder("<")
+    size = math.prod(spec.chunks) * dtype.itemsize
+    if len(out) == spec.rows and spec.compress:  # a full chunk decodes in place
+        _decompress(payload, out.view(np.uint8).reshape(-1))
+        return
+    if spec.compress:
+        chunk = np.empty(size, dtype=np.uint8)
+        _decompress(payload, chunk)
+    elif len(payload) == size:
+        chunk = payload
+    else:
+        raise ValueError(f"{len(payload)} bytes where {size} were expected")
+    out[...] = chunk.view(dtype).reshape(spec.chunks)[: len(out)]
+
+
+def _decompress(payload: np.ndarray, out: np.ndarray) -> None:
+    try:
+        _ZSTD.decode(payload, out=out)
+    except RuntimeError as err:  # numcodecs reports damaged frames as RuntimeError
+        raise ValueError(str(err)) from None

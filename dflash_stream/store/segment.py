@@ -8,21 +8,24 @@ every chunk file is written, so a missing file is damage, never "all zeros".
 
 from __future__ import annotations
 
-import math
 import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 import zarr
+from zarr.codecs import Crc32cCodec, ZstdCodec
 from zarr.storage import LocalStore, MemoryStore
 
 from dflash_stream.store import codecs
 from dflash_stream.store.errors import CorruptChunk, StoreError
 
-FORMAT = 1
-ARRAYS_PER_SEGMENT = 6  # input_ids, loss_mask, offsets, sample_ids and up to two state arrays
+FORMAT = 2
+MIN_HIDDEN = 8
+WORKERS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+"""Threads per segment for chunk coding and file I/O: zstd, crc32c, numpy copies and writes release the GIL."""
 
 
 @dataclass
@@ -65,14 +68,22 @@ def check_samples(samples: list[Sample], width: int) -> int:
     return total
 
 
-def _check_finite(bits: np.ndarray, samples: list[Sample]) -> None:
-    """NaN and Inf are the bf16 values whose exponent bits are all ones."""
-    bad = (bits & 0x7F80) == 0x7F80
-    if bad.any():
-        row = int(np.argmax(bad.any(axis=1)))
-        ends = np.cumsum([len(s.input_ids) for s in samples])
-        culprit = samples[int(np.searchsorted(ends, row, side="right"))]
-        raise StoreError(f"sample {culprit.sample_id}: hidden_states hold NaN or Inf; refusing to store them")
+def _gather(samples: list[Sample], pool: ThreadPoolExecutor) -> np.ndarray:
+    """The samples' bf16 states as one little-endian uint16 array [T, K*D]. Raises StoreError naming the
+    first sample with NaN or Inf."""
+    ends = np.cumsum([len(s.input_ids) for s in samples]).tolist()
+    bits = np.empty((ends[-1], samples[0].hidden_states.shape[1]), dtype="<u2")
+
+    def copy(i: int) -> bool:
+        rows = bits[ends[i] - len(samples[i].input_ids):ends[i]]
+        np.copyto(rows, samples[i].hidden_states.view(torch.int16).numpy().view(np.uint16))
+        # NaN and Inf are the bf16 values whose exponent bits are all ones: 0x7F80.. as int16, 0xFF80.. unsigned.
+        return rows.max() >= 0xFF80 or rows.view(np.int16).max() >= 0x7F80
+
+    for sample, bad in zip(samples, pool.map(copy, range(len(samples))), strict=True):
+        if bad:
+            raise StoreError(f"sample {sample.sample_id}: hidden_states hold NaN or Inf; refusing to store them")
+    return bits
 
 
 def raw_bytes(tokens: int, num_samples: int, width: int) -> int:
@@ -80,18 +91,22 @@ def raw_bytes(tokens: int, num_samples: int, width: int) -> int:
     return tokens * (width * 2 + 4 + 1) + (2 * num_samples + 1) * 8
 
 
+def segment_specs(codec: str, tokens: int, num_samples: int, width: int, num_layers: int) -> dict[str, codecs.ArraySpec]:
+    return {
+        "input_ids": codecs.small_spec((tokens,), "int32"), "loss_mask": codecs.small_spec((tokens,), "bool"),
+        "offsets": codecs.small_spec((num_samples + 1,), "int64"), "sample_ids": codecs.small_spec((num_samples,), "int64"),
+        **codecs.state_specs(codec, tokens, width, num_layers),
+    }
+
+
 def disk_bound(raw: int, tokens: int, width: int, block: int, codec: str) -> int:
     """Worst-case bytes a segment of `raw` bytes can take on disk, as `du` counts them (before encoding)."""
-    (channels, _), (rows, _) = codecs.chunk_shapes(tokens, width)
-    by_channel, by_token = math.ceil(width / channels), math.ceil(tokens / rows)
-    state_chunks = by_channel + by_token
-    # zarr stores edge chunks whole, zero-padded: real bytes where a plane is stored as is (token-major),
-    # while zstd squeezes zeros by far more than 128:1.
-    pad_token_major = (by_token * rows - tokens) * width
-    pad_channel_major = (by_channel * channels - width) * tokens
-    padding = pad_token_major * codecs.UNCOMPRESSED_BYTES_PER_VALUE[codec] + (pad_token_major + pad_channel_major) * 2 // 128
-    files = state_chunks + 2 * ARRAYS_PER_SEGMENT + 2  # chunks, per-array and group metadata
-    return codecs.encoded_bound(raw + padding, files) + files * 2 * block + (ARRAYS_PER_SEGMENT + 1) * 2 * block
+    # The caller knows no layer count: hidden sizes of at least MIN_HIDDEN bound it. At most one sample per token.
+    specs = segment_specs(codec, tokens, tokens, width, max(1, width // MIN_HIDDEN))
+    arrays = len(specs)
+    files = sum(spec.num_chunks for spec in specs.values()) + arrays + 1  # chunks, array and group metadata
+    # Each file takes whole blocks plus one for its extent map, each directory (arrays and root) two.
+    return sum(spec.stored_bound() for spec in specs.values()) + files * 2 * block + (arrays + 1) * 2 * block
 
 
 def files_bound(files: dict[str, bytes], block: int) -> int:
@@ -101,72 +116,96 @@ def files_bound(files: dict[str, bytes], block: int) -> int:
     return sum((-(-len(data) // block) + 1) * block for data in files.values()) + len(dirs) * 2 * block
 
 
-def encode_segment(samples: list[Sample], codec: str, layer_ids: list[int], hidden_size: int) -> dict[str, bytes]:
+def encode_segment(samples: list[Sample], codec: str, layer_ids: list[int], hidden_size: int) -> dict[str, memoryview]:
     """The segment's files (relative path -> bytes), encoded in memory so that their size is known before
-    any disk space is reserved, and a failed write never races zarr's own concurrent writers."""
-    # bf16 kernels on CPU are slow; everything below works on the raw bits.
-    bits = np.concatenate([s.hidden_states.view(torch.int16).numpy().view(np.uint16) for s in samples])
-    _check_finite(bits, samples)
-    files: dict = {}
+    any disk space is reserved. zarr writes the metadata; the chunks are coded here, in parallel (see `codecs`)."""
     lengths = np.array([len(s.input_ids) for s in samples], dtype=np.int64)
-    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-    group = zarr.create_group(store=MemoryStore(files), zarr_format=3, attributes={
+    contents = {
+        "input_ids": np.concatenate([np.asarray(s.input_ids, dtype=np.int32) for s in samples]),
+        "loss_mask": np.concatenate([np.asarray(s.loss_mask, dtype=bool) for s in samples]),
+        "offsets": np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
+        "sample_ids": np.array([s.sample_id for s in samples], dtype=np.int64),
+    }
+    metadata: dict = {}
+    group = zarr.create_group(store=MemoryStore(metadata), zarr_format=3, attributes={
         "format": FORMAT, "codec": codec, "logical_dtype": "bfloat16", "layout": "tokens x (layers * hidden)",
         "layer_ids": list(layer_ids), "hidden_size": hidden_size,
     })
-    codecs.write_small(group, "input_ids", np.concatenate([np.asarray(s.input_ids, dtype=np.int32) for s in samples]))
-    codecs.write_small(group, "loss_mask", np.concatenate([np.asarray(s.loss_mask, dtype=bool) for s in samples]))
-    codecs.write_small(group, "offsets", offsets)
-    codecs.write_small(group, "sample_ids", np.array([s.sample_id for s in samples], dtype=np.int64))
-    codecs.write_states(group, codec, bits, len(layer_ids))
-    return {key: buf.to_bytes() for key, buf in files.items()}
+    with ThreadPoolExecutor(WORKERS) as pool:
+        bits = _gather(samples, pool)
+        contents.update(codecs.encode_states(codec, bits, len(layer_ids)))
+        jobs = []
+        for name, spec in segment_specs(codec, len(bits), len(samples), bits.shape[1], len(layer_ids)).items():
+            arr = group.create_array(
+                name, shape=spec.shape, dtype=spec.dtype, chunks=spec.chunks, fill_value=0,
+                compressors=[ZstdCodec(level=codecs.ZSTD_LEVEL), Crc32cCodec()] if spec.compress else [Crc32cCodec()],
+                # Flat chunk files ("c.3.0"): one directory per array, not one per chunk row.
+                chunk_key_encoding={"name": "default", "separator": "."},
+            )
+            for i in range(spec.num_chunks):
+                key = f"{name}/{arr.metadata.encode_chunk_key((i,) + (0,) * (len(spec.shape) - 1))}"
+                jobs.append((key, contents[name][i * spec.rows:(i + 1) * spec.rows], spec))
+        chunks = pool.map(lambda job: codecs.encode_chunk(job[1], job[2]), jobs)
+        files = {key: memoryview(buf.to_bytes()) for key, buf in metadata.items()}
+        files.update(zip([key for key, _, _ in jobs], chunks, strict=True))
+    return files
 
 
-def write_file(path: Path, data: bytes) -> None:
+def write_file(path: Path, data: memoryview) -> None:
     """The one place segment bytes reach the disk (tests inject ENOSPC here)."""
     with open(path, "wb") as f:
         f.write(data)
 
 
-def write_files(root: Path, files: dict[str, bytes]) -> None:
+def write_files(root: Path, files: dict[str, memoryview]) -> None:
     root.mkdir()
-    for key, data in files.items():
-        target = root / key
-        target.parent.mkdir(parents=True, exist_ok=True)
-        write_file(target, data)
+    for folder in sorted({(root / key).parent for key in files} - {root}):
+        folder.mkdir(parents=True)
+    with ThreadPoolExecutor(WORKERS) as pool:
+        list(pool.map(lambda key: write_file(root / key, files[key]), files))
 
 
-def _chunk_files(array_dir: Path) -> int:
-    return sum(1 for e in os.scandir(array_dir) if e.name.startswith("c."))
+def _spec(segment_id: str, arr: zarr.Array) -> codecs.ArraySpec:
+    """The layout of an array as its metadata records it, if this module can decode it."""
+    names = [type(c).__name__ for c in arr.compressors]
+    if names not in (["ZstdCodec", "Crc32cCodec"], ["Crc32cCodec"]) or tuple(arr.chunks[1:]) != arr.shape[1:]:
+        raise CorruptChunk(f"segment {segment_id}: array '{arr.basename}' has codecs {names} and chunks {arr.chunks} "
+                           f"for shape {arr.shape}; this store writes zstd + crc32c chunks along the first axis")
+    return codecs.ArraySpec(arr.shape, arr.chunks[0], str(arr.dtype), compress=len(names) == 2)
 
 
-def _read_array(segment_id: str, path: Path, group: zarr.Group, name: str) -> np.ndarray:
-    arr = group[name]
-    # zarr reads a missing chunk back as the fill value without a word, so count the files first.
-    if _chunk_files(path / name) != arr.nchunks:
-        raise CorruptChunk(f"segment {segment_id}: array '{name}' has chunk files missing ({path / name})")
-    try:
-        return arr[...]
-    except ValueError:
-        pass  # zarr's checksum error does not say which chunk: find it chunk by chunk
-    for index in np.ndindex(*arr.cdata_shape):
+def _read_array(segment_id: str, path: Path, arr: zarr.Array, pool: ThreadPoolExecutor) -> np.ndarray:
+    spec = _spec(segment_id, arr)
+    out = np.empty(spec.shape, dtype=np.dtype(spec.dtype).newbyteorder("<"))
+
+    def read_chunk(i: int) -> None:
+        key = arr.metadata.encode_chunk_key((i,) + (0,) * (len(spec.shape) - 1))
         try:
-            arr.blocks[index]
+            data = np.fromfile(path / arr.basename / key, dtype=np.uint8)
+        except FileNotFoundError:
+            # zarr would read a missing chunk back as the fill value without a word.
+            raise CorruptChunk(f"segment {segment_id}: array '{arr.basename}' has chunk files missing "
+                               f"({path / arr.basename / key})") from None
+        try:
+            codecs.decode_chunk(data, spec, out[i * spec.rows:(i + 1) * spec.rows])
         except ValueError as err:
-            key = ".".join(map(str, index))
-            raise CorruptChunk(f"segment {segment_id}: chunk {name}/c.{key} is corrupt ({err})") from None
-    raise CorruptChunk(f"segment {segment_id}: array '{name}' failed to decode")
+            raise CorruptChunk(f"segment {segment_id}: chunk {arr.basename}/{key} is corrupt ({err})") from None
+
+    list(pool.map(read_chunk, range(spec.num_chunks)))
+    return out
 
 
 def read_segment(segment_id: str, path: Path) -> list[StoredSample]:
     try:
         group = zarr.open_group(LocalStore(path, read_only=True), mode="r", zarr_format=3)
-    except (FileNotFoundError, ValueError) as err:
-        raise CorruptChunk(f"segment {segment_id}: metadata unreadable at {path} ({err})") from None
-    codec, layer_ids = group.attrs["codec"], group.attrs["layer_ids"]
-    arrays = {name: _read_array(segment_id, path, group, name)
-              for name in ("input_ids", "loss_mask", "offsets", "sample_ids", *codecs.state_arrays(codec))}
-    states = codecs.read_states(arrays, codec, len(layer_ids))
+        codec, layer_ids = group.attrs["codec"], group.attrs["layer_ids"]
+        names = ("input_ids", "loss_mask", "offsets", "sample_ids", *codecs.state_arrays(codec))
+        members = {name: group[name] for name in names}
+    except (FileNotFoundError, ValueError, KeyError) as err:
+        raise CorruptChunk(f"segment {segment_id}: metadata unreadable at {path} ({err!r})") from None
+    with ThreadPoolExecutor(WORKERS) as pool:
+        arrays = {name: _read_array(segment_id, path, arr, pool) for name, arr in members.items()}
+    states = codecs.decode_states(codec, arrays, len(layer_ids))
     ids = torch.from_numpy(arrays["input_ids"]).long()
     mask = torch.from_numpy(arrays["loss_mask"])
     bounds = arrays["offsets"].tolist()

@@ -65,6 +65,8 @@ class Claim:
     sample_ids: tuple[int, ...]
     num_tokens: int
     reuse: int = 1
+    bytes: int = 0
+    """The segment's size on disk: what its deletion frees."""
 
     @property
     def epoch(self) -> int:
@@ -169,14 +171,16 @@ class Store:
             return False
         return len(self._finished_writers()) >= expected
 
-    def stored_sample_ids(self) -> dict[int, set[int]]:
+    def published(self) -> list[SegmentInfo]:
+        """Every segment ever published here, live or already released and deleted."""
         # Segments are listed before `done`: a release moves its marker to done before deleting the segment.
-        published = set(self._ls("segments")) | {_marker(n)[0] for n in self._ls("done")}
+        names = set(self._ls("segments")) | {_marker(n)[0] for n in self._ls("done")}
+        return [info for info in map(self._record, sorted(names)) if info is not None]
+
+    def stored_sample_ids(self) -> dict[int, set[int]]:
         out: dict[int, set[int]] = {}
-        for seg in published:
-            info = self._record(seg)
-            if info is not None:
-                out.setdefault(info.pass_index, set()).update(info.sample_ids)
+        for info in self.published():
+            out.setdefault(info.pass_index, set()).update(info.sample_ids)
         return out
 
     def status(self) -> dict[str, Any]:
@@ -459,7 +463,7 @@ class SegmentConsumer:
                 os.rename(st.path / "ready" / name, self._dir / name)
             except FileNotFoundError:
                 continue  # another consumer took it
-            return Claim(info.segment_id, info.pass_index, use, info.sample_ids, info.num_tokens, st.reuse)
+            return Claim(info.segment_id, info.pass_index, use, info.sample_ids, info.num_tokens, st.reuse, info.bytes)
         return None
 
     def _exhausted(self) -> bool:
