@@ -12,7 +12,7 @@ states and the chunk files (zarr's codec pipeline costs more than the compressio
 - `fp8`: from each channel the segment's mean is subtracted (hidden states carry large per-channel offsets);
   of what is left, each token and layer keeps its largest value exactly ("peak": channel and bf16 bits) and
   the rest becomes e4m3 scaled by its own maximum, stored channel-major and zstd-coded. Measured on SmolLM2:
-  0.60 % relative error at 2.49x, where one plain scale per token and layer gives 0.80 %.
+  0.60 % relative error at 2.48x, where one plain scale per token and layer gives 0.80 % at 2.51x.
 - `none`: the raw uint16 view, for comparison.
 """
 
@@ -27,7 +27,7 @@ import torch
 from numcodecs import Zstd
 
 CODECS = ("lossless", "fp8", "none")
-PLANE_CHUNK_BYTES = 1 << 20
+PLANE_CHUNK_BYTES = 2 << 20
 """Bytes per chunk: zstd gains nothing from more, and a segment gives each core several chunks to code."""
 GROUP = 32
 """Channels per group of the lossless high-byte plane (measured best among 4..64)."""
@@ -106,34 +106,41 @@ def _high_bytes(bits: np.ndarray) -> np.ndarray:
     return grouped[..., 1].transpose(1, 0, 2)
 
 
-def _bf16_bits_to_float(bits: np.ndarray) -> torch.Tensor:
-    # bf16 kernels on CPU are slow; a bf16 is the top half of a float32.
-    return torch.from_numpy((bits.astype(np.uint32) << 16).view(np.float32))
+FP8_VALUES = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float().numpy()
+"""float32 value of every e4m3 byte: a table lookup decodes several times faster than torch's conversion."""
 
 
 def encode_states(codec: str, bits: np.ndarray, num_layers: int) -> dict[str, np.ndarray]:
     """The state arrays' contents, shaped as in `state_specs` and cast to their dtype as C casts (so `bits`
     stands for its own low bytes). Views where possible. `bits`: the bf16 states [T, K*D] as little-endian
     uint16, C-contiguous."""
-    tokens, width = bits.shape
     if codec == "lossless":
         # A strided copy of the low bytes costs several times this cast.
         return {"hidden_hi": _high_bytes(bits), "hidden_lo": bits}
     if codec == "fp8":
-        x = _bf16_bits_to_float(bits).view(tokens, num_layers, -1)
-        mean = x.mean(0)
-        rest = x - mean
-        size = rest.abs()
-        peak = size.argmax(-1, keepdim=True)
-        rest.scatter_(-1, peak, 0.0)
-        size.scatter_(-1, peak, 0.0)
-        scales = size.amax(-1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny) / FP8_MAX
-        q = (rest / scales).to(torch.float8_e4m3fn).view(torch.uint8).view(tokens, width).numpy()
-        peak_bits = torch.from_numpy(bits.view(np.int16)).view(tokens, num_layers, -1).gather(-1, peak)
-        peaks = torch.cat([peak.to(torch.int16), peak_bits], -1).numpy().view(np.uint16)
-        return {"hidden_fp8": q.T, "scales": scales.view(tokens, num_layers).numpy(), "peaks": peaks,
-                "channel_mean": mean.view(width).numpy()}
+        return _encode_fp8(bits, num_layers)
     return {"hidden": bits}
+
+
+def _encode_fp8(bits: np.ndarray, num_layers: int) -> dict[str, np.ndarray]:
+    # numpy, not torch: its reductions over the last axis are several times faster on CPU.
+    tokens, width = bits.shape
+    x = (bits.astype(np.uint32) << 16).view(np.float32).reshape(tokens, num_layers, -1)  # bf16 = top half of f32
+    mean = x.mean(0)
+    rest = np.subtract(x, mean, out=x)
+    size = np.abs(rest)
+    peak = size.argmax(-1)[..., None]
+    np.put_along_axis(rest, peak, 0.0, -1)
+    np.put_along_axis(size, peak, 0.0, -1)
+    scales = np.maximum(size.max(-1, keepdims=True), np.finfo(np.float32).tiny) / np.float32(FP8_MAX)
+    q = torch.from_numpy(rest / scales).to(torch.float8_e4m3fn).view(torch.uint8).view(tokens, width)
+    peak_bits = np.take_along_axis(bits.reshape(tokens, num_layers, -1), peak, -1)
+    return {
+        "hidden_fp8": q.t().contiguous().numpy(),  # torch transposes bytes several times faster than numpy
+        "scales": scales.reshape(tokens, num_layers),
+        "peaks": np.concatenate([peak.astype(np.uint16), peak_bits], -1),
+        "channel_mean": mean.reshape(width),
+    }
 
 
 def decode_states(codec: str, arrays: dict[str, np.ndarray], num_layers: int) -> torch.Tensor:
@@ -142,13 +149,15 @@ def decode_states(codec: str, arrays: dict[str, np.ndarray], num_layers: int) ->
         bits = arrays["hidden_lo"].astype("<u2")
         _high_bytes(bits)[...] = arrays["hidden_hi"]
     elif codec == "fp8":
-        q = torch.from_numpy(arrays["hidden_fp8"].T).view(torch.float8_e4m3fn)
-        tokens, width = q.shape
-        scales = torch.from_numpy(arrays["scales"]).unsqueeze(-1)
-        mean = torch.from_numpy(arrays["channel_mean"]).view(num_layers, -1)
-        states = (q.float().view(tokens, num_layers, -1) * scales + mean).to(torch.bfloat16)
-        peaks = torch.from_numpy(arrays["peaks"].view(np.int16))
-        states.view(torch.int16).scatter_(-1, peaks[..., :1].long(), peaks[..., 1:])
+        width, tokens = arrays["hidden_fp8"].shape
+        q = torch.from_numpy(arrays["hidden_fp8"]).t().contiguous().numpy()
+        x = FP8_VALUES[q].reshape(tokens, num_layers, -1)
+        x *= arrays["scales"][..., None]
+        x += arrays["channel_mean"].reshape(num_layers, -1)
+        states = torch.from_numpy(x).to(torch.bfloat16)
+        channel, value = np.split(arrays["peaks"], 2, axis=-1)
+        states.view(torch.int16).scatter_(-1, torch.from_numpy(channel.astype(np.int64)),
+                                          torch.from_numpy(np.ascontiguousarray(value).view(np.int16)))
         return states.view(tokens, width)
     else:
         bits = arrays["hidden"]

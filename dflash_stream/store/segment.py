@@ -3,7 +3,9 @@
 Group attributes: format, codec, logical_dtype (bfloat16), layout, layer_ids, hidden_size. Arrays:
 `input_ids` int32 [T], `loss_mask` bool [T], `offsets` int64 [n+1] (sample i is rows offsets[i]:offsets[i+1]),
 `sample_ids` int64 [n], and the codec's state arrays (see `codecs.py`). Every chunk ends in a crc32c and
-every chunk file is written, so a missing file is damage, never "all zeros".
+every chunk file is written, so a missing file is damage, never "all zeros". zarr writes and reads the
+metadata; the chunks are coded here, by `WORKERS` threads, in zarr's own byte format (format 2; format 1
+stored the lossless high plane fully transposed and fp8 without channel means and peaks).
 """
 
 from __future__ import annotations
@@ -92,10 +94,11 @@ def raw_bytes(tokens: int, num_samples: int, width: int) -> int:
 
 
 def segment_specs(codec: str, tokens: int, num_samples: int, width: int, num_layers: int) -> dict[str, codecs.ArraySpec]:
+    # The states first: their chunks are coded while zarr writes the rest of the metadata.
     return {
+        **codecs.state_specs(codec, tokens, width, num_layers),
         "input_ids": codecs.small_spec((tokens,), "int32"), "loss_mask": codecs.small_spec((tokens,), "bool"),
         "offsets": codecs.small_spec((num_samples + 1,), "int64"), "sample_ids": codecs.small_spec((num_samples,), "int64"),
-        **codecs.state_specs(codec, tokens, width, num_layers),
     }
 
 
@@ -109,7 +112,7 @@ def disk_bound(raw: int, tokens: int, width: int, block: int, codec: str) -> int
     return sum(spec.stored_bound() for spec in specs.values()) + files * 2 * block + (arrays + 1) * 2 * block
 
 
-def files_bound(files: dict[str, bytes], block: int) -> int:
+def files_bound(files: dict[str, memoryview], block: int) -> int:
     """Most bytes `files` can take once written: whole blocks, one more each for the extent map, and the
     directories that hold them."""
     dirs = {"", *(key.rpartition("/")[0] for key in files)}
@@ -118,7 +121,7 @@ def files_bound(files: dict[str, bytes], block: int) -> int:
 
 def encode_segment(samples: list[Sample], codec: str, layer_ids: list[int], hidden_size: int) -> dict[str, memoryview]:
     """The segment's files (relative path -> bytes), encoded in memory so that their size is known before
-    any disk space is reserved. zarr writes the metadata; the chunks are coded here, in parallel (see `codecs`)."""
+    any disk space is reserved."""
     lengths = np.array([len(s.input_ids) for s in samples], dtype=np.int64)
     contents = {
         "input_ids": np.concatenate([np.asarray(s.input_ids, dtype=np.int32) for s in samples]),
@@ -134,7 +137,7 @@ def encode_segment(samples: list[Sample], codec: str, layer_ids: list[int], hidd
     with ThreadPoolExecutor(WORKERS) as pool:
         bits = _gather(samples, pool)
         contents.update(codecs.encode_states(codec, bits, len(layer_ids)))
-        jobs = []
+        chunks = {}
         for name, spec in segment_specs(codec, len(bits), len(samples), bits.shape[1], len(layer_ids)).items():
             arr = group.create_array(
                 name, shape=spec.shape, dtype=spec.dtype, chunks=spec.chunks, fill_value=0,
@@ -144,10 +147,9 @@ def encode_segment(samples: list[Sample], codec: str, layer_ids: list[int], hidd
             )
             for i in range(spec.num_chunks):
                 key = f"{name}/{arr.metadata.encode_chunk_key((i,) + (0,) * (len(spec.shape) - 1))}"
-                jobs.append((key, contents[name][i * spec.rows:(i + 1) * spec.rows], spec))
-        chunks = pool.map(lambda job: codecs.encode_chunk(job[1], job[2]), jobs)
+                chunks[key] = pool.submit(codecs.encode_chunk, contents[name][i * spec.rows:(i + 1) * spec.rows], spec)
         files = {key: memoryview(buf.to_bytes()) for key, buf in metadata.items()}
-        files.update(zip([key for key, _, _ in jobs], chunks, strict=True))
+        files.update((key, chunk.result()) for key, chunk in chunks.items())
     return files
 
 
