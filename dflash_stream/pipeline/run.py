@@ -107,6 +107,9 @@ def write_summary(cfg: Config, store, started: float) -> dict[str, Any]:
         "extractor_backpressure_seconds": round(
             max((p.get("backpressure_seconds", 0.0) for p in extractors), default=0.0), 2
         ),
+        "extractor_forward_stall_seconds": round(
+            max((p.get("stall_seconds", 0.0) for p in extractors), default=0.0), 2
+        ),
         "final_loss": lead.get("final_loss"),
         "checkpoint": lead.get("export"),
         "eval": lead.get("eval"),
@@ -153,7 +156,9 @@ def _trainer_fields(trainer) -> dict[str, Any]:
 def _extractor_fields(extractor) -> dict[str, Any]:
     return {
         "extract_seconds": extractor.extract_seconds,
-        "backpressure_seconds": extractor.backpressure_seconds,
+        # Writes held back by the full buffer, and how much of that reached the target's forward loop.
+        "backpressure_seconds": extractor.writer.waited_seconds,
+        "stall_seconds": extractor.backpressure_seconds,
     }
 
 
