@@ -16,6 +16,7 @@ from matplotlib.figure import Figure  # noqa: E402
 from dflash_stream.observe.metrics import read_metrics  # noqa: E402
 
 GIB = 2**30
+MIB = 2**20
 PLOT_EVENTS = {"buffer": "store", "rates": "extract/train", "loss": "train", "accuracy": "train"}
 """Each plot and the metrics events it is drawn from."""
 Events = list[dict[str, Any]]
@@ -45,15 +46,17 @@ def plot_buffer(events: Events, t0: float) -> Figure | None:
     if not store:
         return None
     div, unit = _time_axis(events, t0)
+    scale, size_unit = (GIB, "GiB") if store[-1]["budget_bytes"] >= GIB else (MIB, "MiB")
     t = [(e["time"] - t0) / div for e in store]
-    used = [e["used_bytes"] / GIB for e in store]
-    reserved = [(e["used_bytes"] + e.get("reserved_bytes", 0)) / GIB for e in store]
+    used = [e["used_bytes"] / scale for e in store]
+    reserved = [(e["used_bytes"] + e.get("reserved_bytes", 0)) / scale for e in store]
     fig, ax = plt.subplots(figsize=(9, 4.5), layout="constrained")
-    ax.plot(t, used, color="tab:blue", lw=1.8, label="published segments")
-    ax.fill_between(t, used, reserved, step=None, color="tab:orange", alpha=0.35, label="reserved by writers")
-    ax.fill_between(t, 0, used, color="tab:blue", alpha=0.15)
-    ax.plot(t, [e["budget_bytes"] / GIB for e in store], color="tab:red", ls="--", lw=1.5, label="budget")
-    ax.set(title="Ring buffer occupancy", xlabel=unit, ylabel="GiB on disk", ylim=(0, None))
+    # Occupancy holds between samples (a publish or a release), so it is drawn as steps, not slopes.
+    ax.plot(t, used, color="tab:blue", lw=1.8, drawstyle="steps-post", label="published segments")
+    ax.fill_between(t, used, reserved, step="post", color="tab:orange", alpha=0.35, label="reserved by writers")
+    ax.fill_between(t, 0, used, step="post", color="tab:blue", alpha=0.15)
+    ax.plot(t, [e["budget_bytes"] / scale for e in store], color="tab:red", ls="--", lw=1.5, label="budget")
+    ax.set(title="Ring buffer occupancy", xlabel=unit, ylabel=f"{size_unit} on disk", ylim=(0, None))
     ax.legend(loc="lower right")
     ax.grid(alpha=0.3)
     return fig

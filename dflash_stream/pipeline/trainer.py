@@ -32,6 +32,7 @@ from dflash_stream.log import get_logger, progress
 from dflash_stream.observe.metrics import MetricsWriter, TrainingTracker
 from dflash_stream.pipeline import checkpoint as ckpt
 from dflash_stream.pipeline.batches import Member, SegmentFeed, TokenBatcher, collate
+from dflash_stream.pipeline.common import log_store_event
 from dflash_stream.pipeline.roles import RoleInfo
 
 if TYPE_CHECKING:
@@ -410,6 +411,8 @@ class Trainer:
         self._revise_schedule()
         log.info("checkpoint step-%d (%s); released %d segment use(s)", self.steps, reason, len(finished))
         self.metrics.log("checkpoint", step=self.steps, path=str(path), released=len(finished), reason=reason)
+        if self.index == 0:
+            log_store_event(self.metrics, self.store)
 
     def _barrier(self) -> None:
         if self.group is not None:
