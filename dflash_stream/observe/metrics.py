@@ -82,3 +82,11 @@ class TrainingTracker(MetricsWriter):
         super().close()
         if self._tb is not None:
             self._tb.close()
+
+
+def peak_store_bytes(output_dir: str | Path) -> int:
+    """The most the store held (published + reserved) at any `store` event of the run."""
+    return max(
+        (e["used_bytes"] + e.get("reserved_bytes", 0) for e in read_metrics(output_dir) if e["event"] == "store"),
+        default=0,
+    )

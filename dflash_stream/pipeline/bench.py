@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash_stream.config import load_config
-from dflash_stream.observe.metrics import read_metrics
+from dflash_stream.observe.metrics import peak_store_bytes
 from dflash_stream.pipeline.common import store_layout
 
 UNBOUNDED = "1TB"
@@ -42,13 +42,6 @@ def _timed(cmd: list[str], log_path: Path) -> float:
     return time.perf_counter() - started
 
 
-def _peak_store(output: Path) -> int:
-    return max(
-        (e["used_bytes"] + e.get("reserved_bytes", 0) for e in read_metrics(output) if e["event"] == "store"),
-        default=0,
-    )
-
-
 def bench_pipeline(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
     work = Path(args.workdir or tempfile.mkdtemp(prefix="dflash-bench-"))
@@ -71,7 +64,7 @@ def bench_pipeline(args: argparse.Namespace) -> int:
     train_seconds = _timed([*cli, "train", "--config", args.config, *seq], work / "sequential-train.log")
     sequential_seconds = extract_seconds + train_seconds
 
-    full_dump = _peak_store(work / "sequential")
+    full_dump = peak_store_bytes(work / "sequential")
     layer_ids, hidden_size = store_layout(cfg)
     tokens = stream["tokens_extracted"]
     result: dict[str, Any] = {

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from dflash_stream.config import Config, dump_config, load_config
 from dflash_stream.errors import DFlashError
 from dflash_stream.log import get_logger, setup_logging
-from dflash_stream.observe.metrics import MetricsWriter, TrainingTracker
+from dflash_stream.observe.metrics import MetricsWriter, TrainingTracker, peak_store_bytes
 from dflash_stream.pipeline.audit import audit_run, format_audit
 from dflash_stream.pipeline.common import open_store, store_layout
 from dflash_stream.pipeline.roles import RoleInfo, assign_role, init_distributed
@@ -77,13 +77,6 @@ def _write_summary_part(output: Path, role: RoleInfo, fields: dict[str, Any]) ->
     os.replace(tmp, parts / f"{role.role}-{role.index}.json")
 
 
-def _peak_store_bytes(output: Path) -> int:
-    from dflash_stream.observe.metrics import read_metrics
-
-    peaks = [e["used_bytes"] + e.get("reserved_bytes", 0) for e in read_metrics(output) if e["event"] == "store"]
-    return max(peaks, default=0)
-
-
 def write_summary(cfg: Config, store, started: float) -> dict[str, Any]:
     """OUTPUT/summary.json from every rank's part and the store's records, and a closing table."""
     output = Path(cfg.output_dir)
@@ -99,7 +92,7 @@ def write_summary(cfg: Config, store, started: float) -> dict[str, Any]:
         "samples_trained": sum(p.get("samples_trained", 0) for p in trainers),
         "steps": lead.get("steps", 0),
         "budget_bytes": int(cfg.store.budget),
-        "peak_store_bytes": _peak_store_bytes(output),
+        "peak_store_bytes": peak_store_bytes(output),
         "wall_seconds": round(time.time() - started, 2),
         "extract_seconds": round(max((p.get("extract_seconds", 0.0) for p in extractors), default=0.0), 2),
         "train_seconds": round(max((p.get("train_seconds", 0.0) for p in trainers), default=0.0), 2),
