@@ -15,18 +15,23 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from dflash_stream.config import Config, dump_config, load_config
+from dflash_stream.config import Config, load_config
 from dflash_stream.data import PreparedSample, prepare_shard, take_batch
 from dflash_stream.errors import DFlashError
 from dflash_stream.log import get_logger, progress, setup_logging
 from dflash_stream.observe.metrics import MetricsWriter
-from dflash_stream.pipeline.common import data_spec_digest, log_store_event, open_store, store_layout
+from dflash_stream.pipeline.common import (
+    data_spec_digest,
+    log_store_event,
+    open_store,
+    save_resolved_config,
+    store_layout,
+)
 from dflash_stream.pipeline.roles import RoleInfo, assign_uniform
 from dflash_stream.store import Sample, Store, StoreFull
 from dflash_stream.target import load_target, resolve_device, resolve_layer_ids, text_config
@@ -398,8 +403,7 @@ def extract_command(args: argparse.Namespace) -> int:
     store = open_store(cfg, layer_ids, hidden_size)
     if role.index == 0:
         store.set_expected_writers(role.count)
-        Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
-        (Path(cfg.output_dir) / "config.yaml").write_text(dump_config(cfg))
+        save_resolved_config(cfg)
     metrics = MetricsWriter(cfg.output_dir, "extractor", role.index)
     metrics.log("start", config=cfg.model_dump(mode="json"))
     extractor = Extractor(cfg, role, store, metrics, device)

@@ -16,12 +16,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dflash_stream.config import Config, dump_config, load_config
+from dflash_stream.config import Config, load_config
 from dflash_stream.errors import DFlashError
 from dflash_stream.log import get_logger, setup_logging
 from dflash_stream.observe.metrics import MetricsWriter, TrainingTracker, peak_store_bytes
 from dflash_stream.pipeline.audit import audit_run, format_audit
-from dflash_stream.pipeline.common import open_store, store_layout
+from dflash_stream.pipeline.common import open_store, save_resolved_config, store_layout
 from dflash_stream.pipeline.roles import RoleInfo, assign_role, init_distributed
 
 log = get_logger("run")
@@ -197,9 +197,8 @@ def run_command(args: argparse.Namespace) -> int:
     device = _device(cfg)
     layer_ids, hidden_size = store_layout(cfg)
     output = Path(cfg.output_dir)
-    output.mkdir(parents=True, exist_ok=True)
     if role.global_rank == 0:
-        (output / "config.yaml").write_text(dump_config(cfg))
+        save_resolved_config(cfg)
         log.info(
             "run: %d process(es), %s; layers %s of the target, store %s (budget %s, codec %s)",
             role.world_size, "single-process" if role.role == "single" else f"{role.count} {role.role}(s) here",

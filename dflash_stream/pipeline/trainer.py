@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
 
-from dflash_stream.config import Config, dump_config, load_config
+from dflash_stream.config import Config, load_config
 from dflash_stream.errors import DFlashError
 from dflash_stream.log import get_logger, progress
 from dflash_stream.observe.metrics import MetricsWriter, TrainingTracker
@@ -594,7 +594,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def train_command(args: argparse.Namespace) -> int:
     from dflash_stream.log import setup_logging
-    from dflash_stream.pipeline.common import open_store, store_layout
+    from dflash_stream.pipeline.common import open_store, save_resolved_config, store_layout
     from dflash_stream.pipeline.roles import assign_uniform, init_distributed
 
     cfg = load_config(args.config, args.overrides)
@@ -604,8 +604,7 @@ def train_command(args: argparse.Namespace) -> int:
     layer_ids, hidden_size = store_layout(cfg)
     store = open_store(cfg, layer_ids, hidden_size, create=False)
     if role.index == 0:
-        Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
-        (Path(cfg.output_dir) / "config.yaml").write_text(dump_config(cfg))
+        save_resolved_config(cfg)
     metrics = TrainingTracker(cfg.output_dir, "trainer", role.index, tensorboard=cfg.metrics.tensorboard)
     metrics.log("start", config=cfg.model_dump(mode="json"))
     trainer = Trainer(cfg, role, store, metrics, device)
