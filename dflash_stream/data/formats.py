@@ -86,32 +86,35 @@ def _tool_call(call: Any) -> dict[str, Any]:
     return {"type": "function", "function": {"name": fn["name"], "arguments": args}}
 
 
-def _sharegpt(row: dict[str, Any]) -> list[Message]:
-    turns = row.get("conversations")
+def _turns(row: dict[str, Any], key: str) -> list[Any]:
+    turns = row.get(key)
     if not isinstance(turns, list) or not turns:
         raise RowError("empty_conversation")
+    return turns
+
+
+def _role(turn: Any, key: str, roles: dict[str, str]) -> str:
+    """The turn's role in OpenAI terms, from its `key` field mapped through `roles`."""
+    if not isinstance(turn, dict) or turn.get(key) is None:
+        raise RowError("missing_role")
+    role = roles.get(str(turn[key]).lower())
+    if role is None:
+        raise RowError("unknown_role", str(turn[key]))
+    return role
+
+
+def _sharegpt(row: dict[str, Any]) -> list[Message]:
     messages = []
-    for turn in turns:
-        if not isinstance(turn, dict) or turn.get("from") is None:
-            raise RowError("missing_role")
-        role = SHAREGPT_ROLES.get(str(turn["from"]).lower())
-        if role is None:
-            raise RowError("unknown_role", str(turn["from"]))
+    for turn in _turns(row, "conversations"):
+        role = _role(turn, "from", SHAREGPT_ROLES)
         messages.append({"role": role, "content": _text(turn.get("value"))})
     return messages if messages[0]["role"] == "system" else _with_system(row, messages)
 
 
 def _messages(row: dict[str, Any]) -> list[Message]:
-    turns = row.get("messages")
-    if not isinstance(turns, list) or not turns:
-        raise RowError("empty_conversation")
     messages = []
-    for turn in turns:
-        if not isinstance(turn, dict) or turn.get("role") is None:
-            raise RowError("missing_role")
-        role = MESSAGE_ROLES.get(str(turn["role"]).lower())
-        if role is None:
-            raise RowError("unknown_role", str(turn["role"]))
+    for turn in _turns(row, "messages"):
+        role = _role(turn, "role", MESSAGE_ROLES)
         calls = turn.get("tool_calls") if role == "assistant" else None
         message: Message = {"role": role}
         if calls:
