@@ -18,9 +18,9 @@ COMMAND_MODULES = [
     "dflash_stream.observe.commands",
 ]
 BENCH_MODULES = [
-    "dflash_stream.store.bench",
-    "dflash_stream.target.bench",
-    "dflash_stream.pipeline.bench",
+    "dflash_stream.bench.store",
+    "dflash_stream.bench.extract",
+    "dflash_stream.bench.pipeline",
 ]
 
 

@@ -26,7 +26,7 @@ from dflash_stream.drafter import (
     save_checkpoint_drafter,
 )
 from dflash_stream.drafter.loss import eligible_anchors
-from dflash_stream.target import load_target_config
+from dflash_stream.target_model import load_target_config
 
 LAYERS = [1, 3, 5]
 

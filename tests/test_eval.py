@@ -20,7 +20,7 @@ from dflash_stream.drafter import (
 from dflash_stream.drafter.evaluate import read_prompts, render_prompt, stop_token_ids
 from dflash_stream.drafter.head import TargetHead
 from dflash_stream.drafter.speculative import greedy_generate, speculative_generate
-from dflash_stream.target import load_target_config
+from dflash_stream.target_model import load_target_config
 
 LAYERS = [1, 3, 5]
 PROMPTS = [

@@ -18,8 +18,8 @@ from dflash_stream.observe.metrics import MetricsWriter, read_metrics
 from dflash_stream.pipeline.common import open_store
 from dflash_stream.pipeline.extractor import Extractor, NonFiniteStates
 from dflash_stream.pipeline.roles import RoleInfo
-from dflash_stream.target import load_target
-from dflash_stream.target.capture import LayerCapture
+from dflash_stream.target_model import load_target
+from dflash_stream.target_model.capture import LayerCapture
 
 DEMO = Path(str(files("dflash_stream") / "demo_data"))
 LAYERS = [0, 2, 4]

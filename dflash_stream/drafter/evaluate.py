@@ -15,7 +15,7 @@ from dflash_stream.drafter.export import load_drafter
 from dflash_stream.drafter.head import TargetHead
 from dflash_stream.drafter.speculative import greedy_generate, speculative_generate
 from dflash_stream.log import get_logger, progress
-from dflash_stream.target.loading import load_target, resolve_device
+from dflash_stream.target_model.loading import load_target, resolve_device
 
 log = get_logger(__name__)
 

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dflash_stream.config import ConfigError, TargetConfig
-from dflash_stream.target.loading import load_target_config, model_location
+from dflash_stream.target_model.loading import load_target_config, model_location
 
 
 class TargetHead(nn.Module):

@@ -54,7 +54,7 @@ def default_mask_token_id(tokenizer: Any, vocab_size: int) -> int:
 def _load_tokenizer(cfg: Config) -> Any:
     from transformers import AutoTokenizer
 
-    from dflash_stream.target.loading import model_location
+    from dflash_stream.target_model.loading import model_location
 
     location, kwargs = model_location(cfg.target)
     return AutoTokenizer.from_pretrained(location, **kwargs)

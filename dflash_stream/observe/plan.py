@@ -51,7 +51,7 @@ def target_shape(cfg: Config) -> TargetShape:
     t = cfg.target
     if t.num_layers and t.hidden_size:
         return TargetShape(t.num_layers, t.hidden_size, None, None, "config (target.num_layers, target.hidden_size)")
-    from dflash_stream.target import load_target_config, model_location
+    from dflash_stream.target_model import load_target_config, model_location
 
     location, _ = model_location(t)
     if not Path(location).exists():
@@ -189,7 +189,7 @@ def build_plan(cfg: Config, samples: int | None = None, mean_tokens: float | Non
                processes: int = 1) -> dict[str, Any]:
     """The whole plan as plain data (what `plan --json` prints)."""
     from dflash_stream.pipeline.common import max_segment_raw_bytes
-    from dflash_stream.target import resolve_layer_ids
+    from dflash_stream.target_model import resolve_layer_ids
 
     shape = target_shape(cfg)
     layer_ids = resolve_layer_ids(shape.num_layers, cfg.target)

@@ -43,7 +43,7 @@ def _samples(cfg: Config, tokenizer, model, count: int) -> list[PreparedSample]:
         samples, _ = prepare_shard(cfg.model_copy(update={"data": data, "output_dir": scratch}), tokenizer, 0, 1)
     samples = samples[:count]
     if cfg.data.regenerate:
-        from dflash_stream.target.regenerate import generate_responses
+        from dflash_stream.target_model.regenerate import generate_responses
 
         gen = cfg.data.generation
         responses = generate_responses(model, tokenizer, [s.input_ids for s in samples], gen, gen.max_new_tokens)
@@ -55,7 +55,7 @@ def _extract(model, layer_ids: list[int], samples: list[PreparedSample], batch_t
              device: torch.device) -> tuple[list[torch.Tensor], float]:
     """Captured states per sample and the extraction tokens/s (after one warm-up batch)."""
     from dflash_stream.data import token_budget_batches
-    from dflash_stream.target.capture import LayerCapture
+    from dflash_stream.target_model.capture import LayerCapture
 
     capture = LayerCapture(model, layer_ids)
     order = sorted(range(len(samples)), key=lambda i: samples[i].num_tokens)
@@ -108,7 +108,7 @@ def _train(cfg: Config, model, tokenizer, layer_ids: list[int], samples: list[Pr
     from dflash_stream.drafter import DFlashDrafter, TargetHead, build_spec, dflash_loss
     from dflash_stream.pipeline.batches import TokenBatcher, collate
     from dflash_stream.store.segment import StoredSample
-    from dflash_stream.target import text_config
+    from dflash_stream.target_model import text_config
 
     spec = build_spec(cfg, text_config(model), layer_ids, tokenizer)
     drafter = DFlashDrafter(spec, attention=cfg.drafter.attention).to(device)
@@ -174,7 +174,7 @@ def _device_name(device: torch.device) -> str:
 
 def run_tune(cfg: Config, num_samples: int, train_steps: int) -> dict[str, Any]:
     """Measure, recommend, write OUTPUT/tune.json, print the findings; the measurements."""
-    from dflash_stream.target import load_target, resolve_device, resolve_layer_ids, text_config
+    from dflash_stream.target_model import load_target, resolve_device, resolve_layer_ids, text_config
 
     if num_samples < 1 or train_steps < 1:
         raise ConfigError("tune: --samples and --train-steps must be at least 1")

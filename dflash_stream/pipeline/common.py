@@ -32,7 +32,7 @@ def data_spec_digest(cfg: Config) -> str:
 
 def store_layout(cfg: Config) -> tuple[list[int], int]:
     """(layer ids, hidden size) of the states this run stores, from the target's config alone."""
-    from dflash_stream.target import load_target_config, resolve_layer_ids
+    from dflash_stream.target_model import load_target_config, resolve_layer_ids
 
     target_config = load_target_config(cfg.target)
     return resolve_layer_ids(target_config.num_hidden_layers, cfg.target), target_config.hidden_size

@@ -34,9 +34,9 @@ from dflash_stream.pipeline.common import (
 )
 from dflash_stream.pipeline.roles import RoleInfo, assign_uniform
 from dflash_stream.store import Sample, Store, StoreFull
-from dflash_stream.target import load_target, resolve_device, resolve_layer_ids, text_config
-from dflash_stream.target.capture import LayerCapture
-from dflash_stream.target.regenerate import ResponseCache, generate_responses
+from dflash_stream.target_model import load_target, resolve_device, resolve_layer_ids, text_config
+from dflash_stream.target_model.capture import LayerCapture
+from dflash_stream.target_model.regenerate import ResponseCache, generate_responses
 
 log = get_logger(__name__)
 

@@ -100,7 +100,7 @@ class Trainer:
 
     def __init__(self, cfg: Config, role: RoleInfo, store: Store, metrics: MetricsWriter, device: torch.device) -> None:
         from dflash_stream.drafter import DFlashDrafter, DrafterSpec, build_spec, load_target_head
-        from dflash_stream.target import load_target_config, resolve_layer_ids
+        from dflash_stream.target_model import load_target_config, resolve_layer_ids
 
         self.cfg, self.store, self.metrics, self.device = cfg, store, metrics, device
         self.output = Path(cfg.output_dir)

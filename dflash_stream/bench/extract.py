@@ -24,9 +24,9 @@ from dflash_stream.log import setup_logging
 from dflash_stream.observe.metrics import MetricsWriter
 from dflash_stream.pipeline.common import open_store
 from dflash_stream.pipeline.roles import RoleInfo
-from dflash_stream.target.capture import LayerCapture
-from dflash_stream.target.layers import resolve_layer_ids
-from dflash_stream.target.loading import load_target, resolve_device, text_config
+from dflash_stream.target_model.capture import LayerCapture
+from dflash_stream.target_model.layers import resolve_layer_ids
+from dflash_stream.target_model.loading import load_target, resolve_device, text_config
 
 DEMO_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TARGETS = {"speedup": 1.25, "store_wait_fraction": 0.05}

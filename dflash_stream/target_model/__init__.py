@@ -1,7 +1,7 @@
 """The target model: where it lives, which layers are read, and how they are captured (hooks + early stop)."""
 
-from dflash_stream.target.layers import dflash_layer_ids, resolve_layer_ids
-from dflash_stream.target.loading import (
+from dflash_stream.target_model.layers import dflash_layer_ids, resolve_layer_ids
+from dflash_stream.target_model.loading import (
     load_target,
     load_target_config,
     model_location,
