@@ -3,7 +3,7 @@ PY ?= python3.11
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup demo test lint
+.PHONY: setup demo test lint gpu-kit gpu-check
 
 $(BIN)/dflash-stream: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -27,3 +27,13 @@ test: setup
 
 lint: setup
 	$(BIN)/ruff check dflash_stream tests
+
+# The wheels a GPU machine lacks (cp312, manylinux x86_64), for `scripts/gpu-check` there: carry .gpu-kit with
+# the working tree. Pinned to the versions installed here.
+gpu-kit: setup
+	$(BIN)/python scripts/gpu_kit.py build --kit .gpu-kit
+
+# On the GPU machine (its own python3, torch and transformers): the kit into a private folder, the versions,
+# `pytest -m gpu`, `dflash-stream bench gpu --json`; everything to $$OUT (or out/gpu-check).
+gpu-check:
+	scripts/gpu-check

@@ -1,17 +1,18 @@
-"""Datasets through HF `datasets`, and the stable, sharded order of the rows they contribute."""
+"""Rows of local JSON files (read directly) or of HF `datasets` (hub names, parquet), and the stable, sharded
+order of the rows they contribute. `datasets` (and its pyarrow) is imported only where it is needed, so a run on
+local JSON data works without it (a GPU image that lacks it, say).
+"""
 
 from __future__ import annotations
 
 import hashlib
+import json
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from dflash_stream.config import ConfigError, DataConfig, SourceConfig
-
-if TYPE_CHECKING:
-    import datasets
 
 LOCAL_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 
@@ -34,11 +35,37 @@ def source_name(source: SourceConfig) -> str:
     return f"{source.path}{subset}:{source.split}"
 
 
-def load_source(source: SourceConfig, index: int) -> datasets.Dataset:
-    """The source's rows as a `datasets.Dataset`: a local json/jsonl/parquet file or folder, or a hub dataset."""
-    import datasets
+def _json_rows(path: Path) -> list[dict] | None:
+    """The rows of a JSON Lines file, or of a .json file holding a list of rows (or JSON Lines under that
+    name); None for other layouts, which go to the `datasets` loader."""
+    text = path.read_text(encoding="utf-8")
+    if path.suffix == ".json":
+        try:
+            rows = json.loads(text)
+        except json.JSONDecodeError:
+            rows = None  # maybe JSON Lines under a .json name
+        else:
+            return rows if isinstance(rows, list) and all(isinstance(r, dict) for r in rows) else None
+    try:
+        rows = [json.loads(line) for line in text.splitlines() if line.strip()]
+    except json.JSONDecodeError:
+        return None
+    return rows if all(isinstance(r, dict) for r in rows) else None
 
-    datasets.disable_progress_bars()  # one bar per file would bury the extractor's own
+
+def _local_json(files: list[Path]) -> list[dict] | None:
+    rows: list[dict] = []
+    for file in files:
+        part = _json_rows(file)
+        if part is None:
+            return None
+        rows += part
+    return rows
+
+
+def load_source(source: SourceConfig, index: int) -> Sequence[dict]:
+    """The source's rows: a local json/jsonl file or folder of them (read here), a local parquet file or folder,
+    or a hub dataset (a `datasets.Dataset`)."""
     key = f"data.sources[{index}].path"
     path = Path(source.path).expanduser()
     try:
@@ -47,8 +74,17 @@ def load_source(source: SourceConfig, index: int) -> datasets.Dataset:
             builders = {LOCAL_BUILDERS.get(p.suffix) for p in files}
             if not files or None in builders or len(builders) > 1:
                 raise ConfigError(f"{key}: '{source.path}' must be .json/.jsonl/.parquet file(s) of one kind")
+            rows = _local_json(files) if builders == {"json"} else None
+            if rows is not None:
+                return rows[: source.limit] if source.limit is not None else rows
+            import datasets
+
+            datasets.disable_progress_bars()  # one bar per file would bury the extractor's own
             ds = datasets.load_dataset(builders.pop(), data_files=[str(p) for p in files], split="train")
         else:
+            import datasets
+
+            datasets.disable_progress_bars()
             ds = datasets.load_dataset(source.path, source.subset, split=source.split)
     except ConfigError:
         raise
