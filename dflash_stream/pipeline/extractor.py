@@ -36,6 +36,7 @@ from dflash_stream.pipeline.roles import RoleInfo, assign_uniform
 from dflash_stream.store import Sample, Store, StoreFull
 from dflash_stream.target_model import load_target, resolve_device, resolve_layer_ids, text_config
 from dflash_stream.target_model.capture import LayerCapture
+from dflash_stream.target_model.host_copy import HostCopier
 from dflash_stream.target_model.regenerate import ResponseCache, generate_responses
 
 log = get_logger(__name__)
@@ -181,6 +182,7 @@ class Extractor:
         shape = text_config(self.model)
         self.layer_ids = resolve_layer_ids(shape.num_hidden_layers, cfg.target)
         self.capture = LayerCapture(self.model, self.layer_ids)
+        self._host = HostCopier(device)
         self.samples, self.report = prepare_shard(cfg, self.tokenizer, role.index, role.count)
         self.cache = ResponseCache(cfg.output_dir, data_spec_digest(cfg), role.index) if cfg.data.regenerate else None
         self._dropped: dict[int, tuple[str, str]] = {}
@@ -295,13 +297,8 @@ class Extractor:
             ids[row, : sample.num_tokens] = torch.from_numpy(sample.input_ids.astype(np.int64))
             mask[row, : sample.num_tokens] = 1
         states = self.capture(ids.to(self.device), mask.to(self.device))
-        if self.device.type != "cuda":
-            return states, None
-        # Start the copy now and let the sink wait for it, so the next forward is queued meanwhile.
-        host = states.to("cpu", non_blocking=True)
-        ready = torch.cuda.Event()
-        ready.record()
-        return host, ready
+        # On CUDA the copy runs on a side stream during the next forward; the sink waits on `ready`.
+        return self._host.copy(states)
 
     # -- the work plan --------------------------------------------------------------------------------------
 
