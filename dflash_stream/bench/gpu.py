@@ -52,6 +52,7 @@ accumulate in float32; they differ in the order of bf16 roundings only)."""
 MEMORY_SHARE = 0.6
 """Share of the device's memory the extraction forward may take at its chosen budget (the rest: the trainer's
 side of a single-process run, the allocator's slack)."""
+MIN_BATCHES = 8
 DEMO_SOURCES = ["sharegpt_chats.jsonl", "openai_messages.jsonl", "alpaca_tasks.json", "mixed_formats.jsonl"]
 TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 12, "num_attention_heads": 4,
         "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 8192}
@@ -63,7 +64,7 @@ def register_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--target", default="qwen3-4b", help="bundled target config (dflash_stream/bench/targets)")
     p.add_argument("--copies", type=float, default=8.0, help="copies of each demo row (data.sources weight)")
     p.add_argument("--extract-batch-tokens", type=int, default=None, help="default: sized from measured peaks")
-    p.add_argument("--train-batch-tokens", type=int, default=8192)
+    p.add_argument("--train-batch-tokens", type=int, default=4096)
     p.add_argument("--num-anchors", type=int, default=512)
     p.add_argument("--steps", type=int, default=5, help="timed training steps per variant")
     p.add_argument("--repeats", type=int, default=3, help="timed passes per extraction variant (best is kept)")
@@ -174,7 +175,8 @@ def _budget_batches(samples, budget: int, device: torch.device) -> list[tuple[li
 
 def choose_batch_tokens(capture, samples, device: torch.device) -> tuple[int, str]:
     """The extraction forward's token budget: peaks measured at two budgets, fitted linearly in the budget, and
-    the largest power of two whose predicted peak stays within MEMORY_SHARE of the device.
+    the largest power of two whose predicted peak stays within MEMORY_SHARE of the device, capped so that the
+    data still make several batches (overlap and queueing need more than one).
 
     Issue 10's memory model (plan's `memory.extractor`) is the intended source of this figure; it is not on
     main yet, so the bench measures instead and says so.
@@ -191,11 +193,13 @@ def choose_batch_tokens(capture, samples, device: torch.device) -> tuple[int, st
         peaks.append(_peak(device))
     slope = (peaks[1] - peaks[0]) / (sizes[1] - sizes[0])
     total = torch.cuda.get_device_properties(device).total_memory
+    cap = max(sizes[0], sum(s.num_tokens for s in samples) // MIN_BATCHES)
     budget = sizes[0]
-    while budget < 2**17 and peaks[0] + slope * (2 * budget - sizes[0]) <= MEMORY_SHARE * total:
+    while 2 * budget <= cap and peaks[0] + slope * (2 * budget - sizes[0]) <= MEMORY_SHARE * total:
         budget *= 2
     return budget, (f"measured peaks {peaks[0] / 2**30:.2f} / {peaks[1] / 2**30:.2f} GiB at {sizes[0]} / {sizes[1]} "
-                    f"tokens, linear fit, largest power of two within {MEMORY_SHARE:.0%} of {total / 2**30:.0f} GiB")
+                    f"tokens, linear fit, largest power of two within {MEMORY_SHARE:.0%} of {total / 2**30:.0f} GiB "
+                    f"and at most 1/{MIN_BATCHES} of the data")
 
 
 def bench_extraction(model, config, capture, layer_ids, samples, budget, repeats, device) -> dict[str, Any]:
@@ -307,28 +311,30 @@ def bench_host_copies(capture, samples, budget, repeats, device, queue_size: int
 
 
 # ----------------------------------------------------------------------------------------- training step
-def _chunked_loss() -> dict[str, Any] | None:
-    """HOOK (issue 10): keyword arguments that switch `dflash_loss` to its chunked LM-head loss, or None while
-    the loss has none. Filled in once the chunked loss lands on main; until then the bench reports it missing."""
+def _loss_variants() -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """HOOK (issue 10): `dflash_loss` keyword arguments for the plain LM-head loss and for the chunked one (None
+    while the loss has no chunking). Issue 10 adds `chunk_rows` (None = one pass over all rows)."""
     from dflash_stream.drafter import dflash_loss
 
-    params = inspect.signature(dflash_loss).parameters
-    for name in ("chunk_rows", "loss_chunk_rows", "chunk_size"):
-        if name in params:
-            return {name: 4096}
-    return None
+    if "chunk_rows" in inspect.signature(dflash_loss).parameters:
+        from dflash_stream.drafter import loss
+
+        return {"chunk_rows": None}, {"chunk_rows": getattr(loss, "DEFAULT_CHUNK_ROWS", 2048)}
+    return {}, None
 
 
 def _train_batch(capture, samples, budget: int, device: torch.device) -> dict[str, torch.Tensor]:
-    """One training micro-batch as the trainer builds it, with states captured by the target now."""
+    """One training micro-batch as the trainer builds it (similar lengths, from the median length up), with
+    states captured by the target now."""
+    ordered = sorted(samples, key=lambda s: s.num_tokens)
     chosen, width = [], 0
-    for s in sorted(samples, key=lambda s: s.num_tokens):
+    for s in ordered[len(ordered) // 2:] + ordered[: len(ordered) // 2][::-1]:
         if chosen and (len(chosen) + 1) * max(width, s.num_tokens) > budget:
             break
         chosen.append(s)
         width = max(width, s.num_tokens)
     ids, mask = _batch(chosen, device)
-    states = capture(ids, mask)
+    states = capture(ids, mask).clone()  # a normal tensor: autograd may not save inference-mode ones
     loss_mask = torch.zeros_like(ids, dtype=torch.bool)
     for row, s in enumerate(chosen):
         loss_mask[row, : s.num_tokens] = torch.from_numpy(s.loss_mask).to(device)
@@ -385,17 +391,20 @@ def bench_training(capture, model, cfg, config, layer_ids, tokenizer, samples, a
     torch.manual_seed(0)
     initial = copy.deepcopy(DFlashDrafter(spec).state_dict())
     bf16 = device.type == "cuda"
-    variants = {"sdpa_eager": ("sdpa", {})}
+    plain, chunk = _loss_variants()
+    variants = {"sdpa_eager": ("sdpa", plain)}
     if device.type == "cuda":  # FlexAttention has no CPU backward
-        variants = {"flex_compiled": ("flex", {}), **variants}
-    chunk = _chunked_loss()
+        variants = {"flex_compiled": ("flex", plain), **variants}
     if chunk is not None:
         variants.update({f"{name}_chunked_loss": (attn, chunk) for name, (attn, _) in list(variants.items())})
     results = {}
     for name, (attention, kwargs) in variants.items():
         log.info("training step: %s", name)
-        results[name] = bench_train_step(spec, head, batch, initial, attention, args.steps, args.num_anchors,
-                                         bf16, device, kwargs)
+        try:
+            results[name] = bench_train_step(spec, head, batch, initial, attention, args.steps, args.num_anchors,
+                                             bf16, device, kwargs)
+        except torch.OutOfMemoryError as err:  # a figure too: the unchunked LM-head loss at this batch
+            results[name] = {"out_of_memory": str(err).splitlines()[0][:200], "peak_bytes": _peak(device)}
         if device.type == "cuda":
             torch.cuda.empty_cache()
     out: dict[str, Any] = {
@@ -404,10 +413,10 @@ def bench_training(capture, model, cfg, config, layer_ids, tokenizer, samples, a
                   "block_size": spec.block_size, "drafter_layers": spec.num_layers},
         "autocast_bf16": bf16, "variants": results,
         "chunked_loss": chunk if chunk is not None else "not available: issue 10's chunked loss is not in "
-                                                        "drafter/loss.py yet (hook: bench/gpu.py _chunked_loss)",
+                                                        "drafter/loss.py yet (hook: bench/gpu.py _loss_variants)",
     }
-    if "flex_compiled" in results:
-        flex, sdpa = results["flex_compiled"], results["sdpa_eager"]
+    flex, sdpa = results.get("flex_compiled", {}), results["sdpa_eager"]
+    if "first_loss" in flex and "first_loss" in sdpa:
         rel = abs(flex["first_loss"] - sdpa["first_loss"]) / abs(sdpa["first_loss"])
         out.update({"flex_vs_sdpa_speedup": round(sdpa["step_seconds"] / flex["step_seconds"], 3),
                     "loss_rel_diff": round(rel, 6), "loss_rtol": LOSS_RTOL, "loss_equal": rel <= LOSS_RTOL})
@@ -521,6 +530,7 @@ def bench_gpu(args: argparse.Namespace) -> int:
     result["checks"] = {
         "flex_loss_equals_sdpa": t.get("loss_equal"),  # None where FlexAttention cannot train (CPU)
         "host_copies_equal": result["host_copies"]["copies_equal"],
+        "train_steps_fit": not any("out_of_memory" in v for v in t["variants"].values()),
         "run_ok": result["run"]["ok"] if "run" in result else None,
     }
     result["ok"] = all(v is not False for v in result["checks"].values())
@@ -543,6 +553,9 @@ def _table(r: dict[str, Any]) -> str:
              f"D2H       side stream {c['side_stream_tok_s']} tok/s vs synchronous {c['synchronous_tok_s']} tok/s: "
              f"{c['speedup']}x, copies equal: {c['copies_equal']}"]
     for name, v in t["variants"].items():
+        if "out_of_memory" in v:
+            lines.append(f"train     {name:<28} OUT OF MEMORY (peak {v['peak_bytes']}): {v['out_of_memory']}")
+            continue
         lines.append(f"train     {name:<28} {v['tok_s']:>10} tok/s  MFU {v['mfu']}  peak {v['peak_bytes']}  "
                      f"first loss {v['first_loss']:.5f}  (first step {v['first_step_seconds']} s)")
     if "loss_equal" in t:
