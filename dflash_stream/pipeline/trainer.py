@@ -52,9 +52,6 @@ HOLDING_SHARE = 0.25
 buffer make the trainers checkpoint (a checkpoint per step would cost more than the extractors' wait)."""
 
 
-def use_bf16(cfg: Config, device: torch.device) -> bool:
-    """train.mixed_precision: `auto` is bf16 autocast on CUDA and full precision elsewhere."""
-    return cfg.train.mixed_precision == "bf16" or (cfg.train.mixed_precision == "auto" and device.type == "cuda")
 
 
 class Trainer:
@@ -81,7 +78,7 @@ class Trainer:
             layer_ids = resolve_layer_ids(target_config.num_hidden_layers, cfg.target)
             self.spec = build_spec(cfg, target_config, layer_ids)
         self.drafter = DFlashDrafter(self.spec, attention=cfg.drafter.attention).to(device)
-        self.bf16 = use_bf16(cfg, device)
+        self.bf16 = cfg.train.bf16_autocast(device.type)
         self.head = load_target_head(cfg.target, device, torch.bfloat16 if self.bf16 else torch.float32)
         decay = [p for p in self.drafter.parameters() if p.ndim >= 2]
         no_decay = [p for p in self.drafter.parameters() if p.ndim < 2]
