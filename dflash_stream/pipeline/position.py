@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from dflash_stream.drafter.batches import Member, TokenBatcher
 from dflash_stream.log import get_logger
-from dflash_stream.pipeline.batches import Member, TokenBatcher
 
 if TYPE_CHECKING:
     from dflash_stream.store import Claim, SegmentConsumer, Store, StoredSample

@@ -27,10 +27,10 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 
 from dflash_stream.config import Config, load_config
+from dflash_stream.drafter.batches import Member, TokenBatcher, collate
 from dflash_stream.log import get_logger, progress
 from dflash_stream.observe.metrics import MetricsWriter, TrainingTracker
 from dflash_stream.pipeline import checkpoint as ckpt
-from dflash_stream.pipeline.batches import Member, TokenBatcher, collate
 from dflash_stream.pipeline.common import log_store_event
 from dflash_stream.pipeline.position import DataPosition
 from dflash_stream.pipeline.rng import RngState
