@@ -59,6 +59,7 @@ class Trainer:
 
     def __init__(self, cfg: Config, role: RoleInfo, store: Store, metrics: MetricsWriter, device: torch.device) -> None:
         from dflash_stream.drafter import DFlashDrafter, DrafterSpec, build_spec, load_target_head
+        from dflash_stream.drafter.export import SPEC
         from dflash_stream.store import SegmentReader
         from dflash_stream.target_model import load_target_config, resolve_layer_ids
 
@@ -72,7 +73,7 @@ class Trainer:
 
         # The model and what trains it
         if resume is not None:
-            self.spec = DrafterSpec(**json.loads((resume / "drafter_spec.json").read_text()))
+            self.spec = DrafterSpec(**json.loads((resume / SPEC).read_text()))
         else:
             target_config = load_target_config(cfg.target)
             layer_ids = resolve_layer_ids(target_config.num_hidden_layers, cfg.target)
@@ -119,6 +120,8 @@ class Trainer:
     def _resume(self, path: Path | None) -> None:
         """Load every component's state from checkpoint `path` (None: a fresh start) and drop the ledger
         files of a checkpoint that never completed."""
+        from dflash_stream.drafter.export import WEIGHTS
+
         step = ckpt.checkpoint_step(path)
         dropped = ckpt.drop_ledger_after(self.run_dir.root, self.index, step)
         if dropped:
@@ -127,7 +130,7 @@ class Trainer:
             self.position.load_state_dict(DataPosition.EMPTY)
             return
         shared, part = ckpt.load(path, self.index, self.trainers)
-        self.drafter.load_state_dict(load_file(path / "model.safetensors", device=str(self.device)))
+        self.drafter.load_state_dict(load_file(path / WEIGHTS, device=str(self.device)))
         self.optimizer.load_state_dict(shared["optimizer"])
         self.scheduler.load_state_dict(shared["scheduler"])
         self.steps = self._last_checkpoint_step = shared["step"]
@@ -144,14 +147,14 @@ class Trainer:
         return {**self.position.state_dict(), **self.rng.state_dict(), "samples_trained": self.samples_trained}
 
     def _write_shared(self, staging: Path) -> None:
-        """The files rank 0 writes for all: the drafter and trainer_state.pt."""
+        """The files rank 0 writes for all: the drafter and the shared trainer state."""
         from dflash_stream.drafter import save_checkpoint_drafter
 
         save_checkpoint_drafter(self.drafter, self.spec, staging)
         ckpt.save_torch({
             "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
             "step": self.steps, "tokens": self.tokens_trained, "samples": self._all_samples_trained,
-        }, staging / "trainer_state.pt")
+        }, staging / ckpt.SHARED_STATE)
 
     def _checkpoint(self, reason: str) -> None:
         """Write checkpoint step-N (collective over the trainers), then release the segment uses it records
