@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
-from dflash_stream.errors import DFlashError
+from dflash_stream import __version__
+from dflash_stream.errors import DFlashError, os_error_line
 
 # Modules that define `register(subparsers)` (top-level commands) and/or `register_bench(subparsers)`.
 COMMAND_MODULES = [
@@ -26,6 +28,7 @@ BENCH_MODULES = [
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dflash-stream", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"dflash-stream {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in COMMAND_MODULES:
         importlib.import_module(name).register(sub)
@@ -45,12 +48,22 @@ def main(argv: list[str] | None = None) -> int:
     if hasattr(args, "overrides"):
         args.overrides = extra
     try:
-        return args.func(args) or 0
+        code = args.func(args) or 0
+        sys.stdout.flush()  # inside the try: a reader that left early is handled below, not at exit
+        return code
     except DFlashError as err:
         print(f"dflash-stream: error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # The reader went away (`status --json | head`): what is left to print goes nowhere, quietly,
+        # including the interpreter's final flush of stdout.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
+    except OSError as err:  # a path the user named cannot be read or written: one line, not a traceback
+        print(f"dflash-stream: error: {os_error_line(err)}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -21,7 +21,11 @@ def _checkpoint_dir(path: Path) -> Path:
 
 
 def _export(args: argparse.Namespace) -> int:
+    from safetensors import SafetensorError
+
     from dflash_stream.drafter.export import export_drafter, load_checkpoint_drafter
+    from dflash_stream.errors import DFlashError
+    from dflash_stream.preflight import probe_writable
 
     try:
         ckpt = _checkpoint_dir(Path(args.checkpoint))
@@ -29,7 +33,11 @@ def _export(args: argparse.Namespace) -> int:
     except FileNotFoundError as err:
         print(f"dflash-stream export: {err}", file=sys.stderr)
         return 1
-    out = export_drafter(drafter, spec, args.out)
+    probe_writable(args.out, "export --out")
+    try:
+        out = export_drafter(drafter, spec, args.out)
+    except SafetensorError as err:  # the disk filled up meanwhile
+        raise DFlashError(f"export --out {args.out}: {str(err).splitlines()[0]}") from None
     print(f"exported {ckpt} -> {out} ({spec.num_layers} layers, block {spec.block_size}, "
           f"target layers {spec.target_layer_ids})")
     return 0

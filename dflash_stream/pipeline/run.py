@@ -23,6 +23,7 @@ from dflash_stream.observe.metrics import MetricsWriter, TrainingTracker, peak_s
 from dflash_stream.pipeline.audit import audit_run, format_audit
 from dflash_stream.pipeline.common import open_store, save_resolved_config, store_layout
 from dflash_stream.pipeline.roles import RoleInfo, assign_role, init_distributed
+from dflash_stream.preflight import check_run_paths
 
 log = get_logger("run")
 
@@ -192,6 +193,7 @@ def run_role(cfg: Config, role: RoleInfo, store, metrics: MetricsWriter, device:
 def run_command(args: argparse.Namespace) -> int:
     started = time.time()
     cfg = load_config(args.config, args.overrides)
+    check_run_paths(cfg)  # before anything is written
     role = assign_role(cfg)
     setup_logging(role.role, role.index, show_bar=role.speaks_for_role)
     device = _device(cfg)

@@ -596,8 +596,10 @@ def train_command(args: argparse.Namespace) -> int:
     from dflash_stream.log import setup_logging
     from dflash_stream.pipeline.common import open_store, save_resolved_config, store_layout
     from dflash_stream.pipeline.roles import assign_uniform, init_distributed
+    from dflash_stream.preflight import check_run_paths
 
     cfg = load_config(args.config, args.overrides)
+    check_run_paths(cfg)  # before anything is written
     role = assign_uniform("trainer")
     setup_logging("trainer", role.index, show_bar=role.speaks_for_role)
     device = init_distributed() if cfg.target.device == "auto" else torch.device(cfg.target.device)

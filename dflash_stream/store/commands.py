@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
+from dflash_stream.errors import DFlashError
 from dflash_stream.store.errors import StoreError
 
 
@@ -52,8 +54,10 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _dump(args: argparse.Namespace) -> int:
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
 
+    from dflash_stream.preflight import probe_writable
     from dflash_stream.store.segment import read_segment
     from dflash_stream.store.store import Store
 
@@ -64,8 +68,15 @@ def _dump(args: argparse.Namespace) -> int:
                       if s.sample_id == args.sample_id)
     except StoreError as err:
         return _fail(err)
-    save_file({"input_ids": sample.input_ids, "loss_mask": sample.loss_mask,
-               "hidden_states": sample.hidden_states.contiguous()}, args.out,
-              metadata={"sample_id": str(args.sample_id), "segment": segment_id})
+    out = Path(args.out)
+    probe_writable(out.parent, "store dump --out")
+    if out.is_dir():
+        raise DFlashError(f"store dump --out {out} is a folder; name a FILE.safetensors")
+    try:
+        save_file({"input_ids": sample.input_ids, "loss_mask": sample.loss_mask,
+                   "hidden_states": sample.hidden_states.contiguous()}, str(out),
+                  metadata={"sample_id": str(args.sample_id), "segment": segment_id})
+    except SafetensorError as err:  # the disk filled up, or the folder vanished meanwhile
+        raise DFlashError(f"store dump --out {out}: {str(err).splitlines()[0]}") from None
     print(f"sample {args.sample_id} ({len(sample.input_ids)} tokens, segment {segment_id}) -> {args.out}")
     return 0
