@@ -38,10 +38,11 @@ def probe_writable(path: str | Path, what: str) -> None:
         raise DFlashError(f"{what} {path} is not writable: {err.strerror} ({existing})") from None
 
 
-def check_run_paths(cfg: Config) -> None:
-    """Local data files and the output folder, before anything is written (the target is checked by
-    `target_model.model_location`, which every command goes through)."""
-    for i, source in enumerate(cfg.data.sources):
+def check_run_paths(cfg: Config, data: bool = True) -> None:
+    """Local data files (unless `data` is False: `train` never reads them, and may run where they are not) and
+    the output and store folders, before anything is written. The target is checked by
+    `target_model.model_location`, which every command goes through."""
+    for i, source in enumerate(cfg.data.sources if data else []):
         path = Path(source.path).expanduser()
         local = looks_local(source.path) or source.path.endswith(DATA_SUFFIXES)
         if local and not path.exists():

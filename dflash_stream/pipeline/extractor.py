@@ -408,8 +408,10 @@ def extract_command(args: argparse.Namespace) -> int:
         save_resolved_config(cfg)
     metrics = MetricsWriter(cfg.output_dir, "extractor", role.index)
     metrics.log("start", config=cfg.model_dump(mode="json"))
-    extractor = Extractor(cfg, role, store, metrics, device)
-    extractor.run()
+    # From before the target loads: a trainer waiting on the store sees this extractor alive.
+    with store.heartbeat(f"extractor-{role.index}"):
+        extractor = Extractor(cfg, role, store, metrics, device)
+        extractor.run()
     summary = extractor.summary()
     metrics.log("end", summary=summary)
     metrics.close()

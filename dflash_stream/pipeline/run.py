@@ -179,8 +179,9 @@ def run_role(cfg: Config, role: RoleInfo, store, metrics: MetricsWriter, device:
     if role.role == "extractor":
         from dflash_stream.pipeline.extractor import Extractor
 
-        extractor = Extractor(cfg, role, store, metrics, device)
-        extractor.run()
+        with store.heartbeat(f"extractor-{role.index}"):  # from before the target loads
+            extractor = Extractor(cfg, role, store, metrics, device)
+            extractor.run()
         return _extractor_fields(extractor), True
     from dflash_stream.pipeline.trainer import Trainer
 

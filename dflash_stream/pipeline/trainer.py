@@ -34,6 +34,7 @@ from dflash_stream.pipeline import checkpoint as ckpt
 from dflash_stream.pipeline.batches import Member, SegmentFeed, TokenBatcher, collate
 from dflash_stream.pipeline.common import log_store_event
 from dflash_stream.pipeline.roles import RoleInfo
+from dflash_stream.pipeline.waiting import DataWait
 
 if TYPE_CHECKING:
     from dflash_stream.drafter import LossOutput
@@ -143,7 +144,7 @@ class Trainer:
         self.data_wait_seconds = 0.0
         self._last_checkpoint_step = 0
         self._stop_signal: int | None = None
-        self._starved_since: float | None = None
+        self.data_wait = DataWait(store)  # its timeout is `train --wait-timeout`
         self._window = _Window(self.spec.block_size)
 
         self.consumer = self._resume(resume)
@@ -485,16 +486,14 @@ class Trainer:
                         return False
                     self._wait_for_data()
                 else:
-                    self._starved_since = None
+                    self.data_wait.reset()
 
     def _wait_for_data(self) -> None:
-        """Block a little for the next segment (the ranks then compare notes again); say so once per wait."""
+        """Block a little for the next segment (the ranks then compare notes again); say so, with reminders."""
         if self._exhausted():
             time.sleep(0.05)  # only the other ranks are still training; wait for their next step
             return
-        if self._starved_since is None:
-            self._starved_since = time.perf_counter()
-            log.info("waiting for data: no decoded segment at hand (store segments: %s)", self.store.status()["segments"])
+        self.data_wait.tick()
         started = time.perf_counter()
         self._take_segment(timeout=WAIT_POLL_SECONDS)
         self.data_wait_seconds += time.perf_counter() - started
@@ -589,6 +588,8 @@ class _Window:
 def register(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser("train", help="train the drafter from an existing store (waits for segments)")
     parser.add_argument("--config", required=True, help="run config (YAML)")
+    parser.add_argument("--wait-timeout", type=float, default=None, metavar="SECONDS",
+                        help="give up after waiting this long for data (default: wait as long as it takes)")
     parser.set_defaults(func=train_command, overrides=[])
 
 
@@ -599,17 +600,21 @@ def train_command(args: argparse.Namespace) -> int:
     from dflash_stream.preflight import check_run_paths
 
     cfg = load_config(args.config, args.overrides)
-    check_run_paths(cfg)  # before anything is written
+    check_run_paths(cfg, data=False)  # before anything is written; training reads no data files
     role = assign_uniform("trainer")
     setup_logging("trainer", role.index, show_bar=role.speaks_for_role)
     device = init_distributed() if cfg.target.device == "auto" else torch.device(cfg.target.device)
     layer_ids, hidden_size = store_layout(cfg)
+    if not (Path(cfg.store.path) / "store.json").is_file():
+        raise DFlashError(f"no store at {cfg.store.path} yet: start `dflash-stream extract` with this config first "
+                          "(it creates the store); `train` then waits for its segments")
     store = open_store(cfg, layer_ids, hidden_size, create=False)
     if role.index == 0:
         save_resolved_config(cfg)
     metrics = TrainingTracker(cfg.output_dir, "trainer", role.index, tensorboard=cfg.metrics.tensorboard)
     metrics.log("start", config=cfg.model_dump(mode="json"))
     trainer = Trainer(cfg, role, store, metrics, device)
+    trainer.data_wait.timeout = args.wait_timeout
     try:
         finished = trainer.run()
         summary = {
