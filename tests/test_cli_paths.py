@@ -1,4 +1,5 @@
-"""Paths a user gets wrong, each answered in one line and never a traceback; `--version`; `report --out`."""
+"""Paths a user gets wrong, each answered in one line and never a traceback; `--version`; `report --out`;
+`plan` for every shipped config."""
 
 from __future__ import annotations
 
@@ -140,3 +141,12 @@ def test_report_out_folder(tmp_path, read_only, capsys):
     capsys.readouterr()
     assert main(["report", str(tmp_path / "run"), "--out", str(read_only / "plots")]) == 2
     assert "report --out" in one_error_line(capsys)
+
+
+@pytest.mark.parametrize("config", sorted((ROOT / "configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_plan_works_offline_for_every_shipped_config(config, monkeypatch, capsys):
+    """From config values alone: no model download, no dataset download."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert main(["plan", "--config", str(config), "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["target"]["num_layers"] and plan["data"]["samples"] and plan["time"]["total_seconds"]
