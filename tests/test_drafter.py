@@ -375,6 +375,18 @@ def test_plain_rope_frequencies_are_pinned():
                                                                            "rope_theta": 10000.0}
 
 
+@torch.no_grad()
+def test_plain_rope_drafter_output_is_pinned():
+    """Numbers recorded before rope_scaling support: a target without scaling drafts exactly as before."""
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(small_spec(), attention="sdpa").eval()
+    g = torch.Generator().manual_seed(1)
+    ctx, emb = torch.randn(1, 12, 64, generator=g), torch.randn(1, 4, 32, generator=g)
+    out = drafter(emb, torch.arange(12, 16)[None], drafter.context_kv(ctx, torch.arange(12)[None]))
+    assert out.double().sum().item() == pytest.approx(-3.288314669393003, rel=1e-5)
+    assert out[0, 1, :4].tolist() == pytest.approx([0.97104543, -0.05394808, -1.19594646, 0.59952575], rel=1e-5)
+
+
 @pytest.mark.parametrize("kind", sorted(ROPE_SCALINGS))
 def test_drafter_rotary_equals_the_targets_scaled_rope(kind, tiny_target_dir, tmp_path):
     """Training and decoding (the drafter's Rotary) and the export (config.json read by transformers' Qwen3
