@@ -139,7 +139,7 @@ class Trainer:
         self.data_wait_seconds = 0.0
         self._last_checkpoint_step = 0
         self._stop_signal: int | None = None
-        self.data_wait = DataWait(store)  # its timeout is `train --wait-timeout`
+        self.data_wait = DataWait(store, WAIT_POLL_SECONDS)  # its timeout is `train --wait-timeout`
         self._window = _Window(self.spec.block_size)
 
         self.consumer = self._resume(resume)

@@ -20,26 +20,32 @@ class DataWaitTimeout(DFlashError):
 
 
 class DataWait:
-    """Call `tick()` on every poll while starved and `reset()` once data arrive."""
+    """Call `tick()` before each poll of `poll_seconds` while starved, and `reset()` once data arrive.
 
-    def __init__(self, store, timeout: float | None = None, remind_every: float | None = None) -> None:
-        self.store, self.timeout = store, timeout
+    The timeout counts polls rather than clock time: trainer ranks poll in lockstep (they all-reduce between
+    polls), so they all give up at the same poll instead of one leaving the others in a collective."""
+
+    def __init__(self, store, poll_seconds: float, timeout: float | None = None,
+                 remind_every: float | None = None) -> None:
+        self.store, self.poll_seconds, self.timeout = store, poll_seconds, timeout
         self.remind_every = REMIND_SECONDS if remind_every is None else remind_every
         self.since: float | None = None
+        self.polls = 0
         self._last_said = 0.0
 
     def reset(self) -> None:
-        self.since = None
+        self.since, self.polls = None, 0
 
     def tick(self) -> None:
         now = time.monotonic()
+        self.polls += 1
         if self.since is None:
             self.since, self._last_said = now, now
             log.info("waiting for data: no decoded segment at hand (store segments: %s); %s",
                      self.store.status()["segments"], describe_writers(self.store.heartbeats()))
             return
         waited = now - self.since
-        if self.timeout is not None and waited >= self.timeout:
+        if self.timeout is not None and (self.polls - 1) * self.poll_seconds >= self.timeout:
             raise DataWaitTimeout(
                 f"no data came within --wait-timeout {self.timeout:g} s: store {self.store.path} has "
                 f"{self.store.status()['segments']['ready']} ready segment(s); {describe_writers(self.store.heartbeats())}"
