@@ -9,8 +9,7 @@ class ConfigError(DFlashError, ValueError):
     """A configuration problem, phrased as one line naming the key."""
 
 
-def os_error_line(err: OSError, doing: str = "") -> str:
-    """An OSError as one line: what was being done, the path, and the system's reason."""
+def os_error_line(err: OSError) -> str:
+    """An OSError as one line: the path and the system's reason."""
     path = f" {err.filename}" if err.filename else ""
-    reason = err.strerror or str(err)
-    return f"{doing or 'cannot access'}{path}: {reason}"
+    return f"cannot access{path}: {err.strerror or err}"

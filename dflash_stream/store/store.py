@@ -578,7 +578,7 @@ def _check_fingerprint(path: Path, manifest: dict[str, Any], requested: dict[str
         manifest = {**manifest, **requested}
         _write_json(path / "store.json", manifest)
         return manifest
-    published = len([n for n in os.listdir(path / "info")]) if (path / "info").is_dir() else 0
+    published = len([n for n in os.listdir(path / "info") if not n.startswith(".")]) if (path / "info").is_dir() else 0
     raise FingerprintMismatch(
         f"store {path} was made by another config: {why}; use another store.path, or delete the store "
         f"({published} segment(s) published in it)"
