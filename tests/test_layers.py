@@ -15,7 +15,7 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parent.parent / "dflash_stream"
 
 LAYERS = [
-    {"__init__", "config", "errors", "log", "rundir"},  # the base every part may use
+    {"__init__", "config", "errors", "log", "preflight", "rundir"},  # the base every part may use
     {"data"},
     {"target_model"},
     {"store"},

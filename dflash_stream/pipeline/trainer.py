@@ -28,6 +28,7 @@ from safetensors.torch import load_file
 
 from dflash_stream.config import Config, load_config
 from dflash_stream.drafter.batches import Member, TokenBatcher, collate
+from dflash_stream.errors import DFlashError
 from dflash_stream.log import get_logger, progress
 from dflash_stream.observe.metrics import MetricsWriter, TrainingTracker
 from dflash_stream.pipeline import checkpoint as ckpt
@@ -38,6 +39,7 @@ from dflash_stream.pipeline.roles import RoleInfo
 from dflash_stream.pipeline.schedule import WarmupCosine
 from dflash_stream.pipeline.signals import StopRequest
 from dflash_stream.pipeline.stats import StepStats
+from dflash_stream.pipeline.waiting import DataWait
 from dflash_stream.rundir import RunDir
 
 if TYPE_CHECKING:
@@ -106,7 +108,7 @@ class Trainer:
         self.latest_checkpoint: Path | None = None
         self.data_wait_seconds = 0.0
         self._last_checkpoint_step = 0
-        self._starved_since: float | None = None
+        self.data_wait = DataWait(store, WAIT_POLL_SECONDS)  # its timeout is `train --wait-timeout`
         self.stats = StepStats(self.spec.block_size)
         self.stop = StopRequest()
 
@@ -227,7 +229,7 @@ class Trainer:
                         return False
                     self._wait_for_data()
                 else:
-                    self._starved_since = None
+                    self.data_wait.reset()
 
     @property
     def stopped_by(self) -> str | None:
@@ -340,13 +342,11 @@ class Trainer:
         return segments["ready"] == 0 and segments["claimed"] <= len(self.position)
 
     def _wait_for_data(self) -> None:
-        """Block a little for the next segment (the ranks then compare notes again); say so once per wait."""
+        """Block a little for the next segment (the ranks then compare notes again); say so, with reminders."""
         if self._exhausted():
             time.sleep(0.05)  # only the other ranks are still training; wait for their next step
             return
-        if self._starved_since is None:
-            self._starved_since = time.perf_counter()
-            log.info("waiting for data: no decoded segment at hand (store segments: %s)", self.store.status()["segments"])
+        self.data_wait.tick()
         started = time.perf_counter()
         self._take_segment(timeout=WAIT_POLL_SECONDS)
         self.data_wait_seconds += time.perf_counter() - started
@@ -427,6 +427,8 @@ class Trainer:
 def register(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser("train", help="train the drafter from an existing store (waits for segments)")
     parser.add_argument("--config", required=True, help="run config (YAML)")
+    parser.add_argument("--wait-timeout", type=float, default=None, metavar="SECONDS",
+                        help="give up after waiting this long for data (default: wait as long as it takes)")
     parser.set_defaults(func=train_command, overrides=[])
 
 
@@ -434,18 +436,24 @@ def train_command(args: argparse.Namespace) -> int:
     from dflash_stream.log import setup_logging
     from dflash_stream.pipeline.common import open_store, save_resolved_config, store_layout
     from dflash_stream.pipeline.roles import assign_uniform, init_distributed
+    from dflash_stream.preflight import check_run_paths
 
     cfg = load_config(args.config, args.overrides)
+    check_run_paths(cfg, data=False)  # before anything is written; training reads no data files
     role = assign_uniform("trainer")
     setup_logging("trainer", role.index, show_bar=role.speaks_for_role)
     device = init_distributed() if cfg.target.device == "auto" else torch.device(cfg.target.device)
     layer_ids, hidden_size = store_layout(cfg)
+    if not (Path(cfg.store.path) / "store.json").is_file():
+        raise DFlashError(f"no store at {cfg.store.path} yet: start `dflash-stream extract` with this config first "
+                          "(it creates the store); `train` then waits for its segments")
     store = open_store(cfg, layer_ids, hidden_size, create=False)
     if role.index == 0:
         save_resolved_config(cfg)
     metrics = TrainingTracker(cfg.output_dir, "trainer", role.index, tensorboard=cfg.metrics.tensorboard)
     metrics.log("start", config=cfg.model_dump(mode="json"))
     trainer = Trainer(cfg, role, store, metrics, device)
+    trainer.data_wait.timeout = args.wait_timeout
     try:
         finished = trainer.run()
         summary = {
