@@ -69,12 +69,25 @@ def audit_run(output_dir: str | Path) -> dict[str, Any]:
         )
     finished = (output / "summary.json").exists()
     ok = bool(expected) and all(p["missing"] == p["duplicated"] == p["unexpected"] == 0 for p in passes)
-    return {"output": str(output), "finished": finished, "passes": passes, "ok": ok}
+    store = (yaml.safe_load(config_path.read_text()) or {}).get("store", {}).get("path") if config_path.exists() else None
+    return {"output": str(output), "finished": finished, "passes": passes, "ok": ok,
+            "quarantined": _quarantined(Path(store)) if store else []}
+
+
+def _quarantined(store: Path) -> list[dict[str, Any]]:
+    """Damaged segments the trainers set aside (their samples were extracted and trained again)."""
+    found = []
+    for path in sorted((store / "quarantine").glob("*.json")):
+        record = json.loads(path.read_text())
+        found.append({"segment_id": record["segment_id"], "sample_ids": record["sample_ids"]})
+    return found
 
 
 def format_audit(report: dict[str, Any]) -> str:
     head = f"audit of {report['output']} ({'finished' if report['finished'] else 'not finished'})"
     rows = [f"  epoch {p['epoch']}: expected {p['expected']}, trained {p['trained']}, missing {p['missing']}, "
             f"duplicated {p['duplicated']}, unexpected {p['unexpected']}" for p in report["passes"]]
+    rows += [f"  quarantined segment {q['segment_id']}: {len(q['sample_ids'])} sample(s), extracted and trained again"
+             for q in report.get("quarantined", [])]
     verdict = "OK: every sample trained exactly once per epoch" if report["ok"] else "FAILED"
     return "\n".join([head, *rows, verdict])

@@ -32,8 +32,9 @@ from dflash_stream.pipeline.common import (
     save_resolved_config,
     store_layout,
 )
+from dflash_stream.pipeline.guard import hold_output, stop_with_launcher
 from dflash_stream.pipeline.roles import RoleInfo, assign_uniform
-from dflash_stream.store import Sample, Store, StoreFull
+from dflash_stream.store import Sample, Store, StoreFull, lease
 from dflash_stream.target_model import load_target, resolve_device, resolve_layer_ids, text_config
 from dflash_stream.target_model.capture import LayerCapture
 from dflash_stream.target_model.regenerate import ResponseCache, generate_responses
@@ -204,7 +205,9 @@ class Extractor:
 
     def run(self, until_full: bool = False) -> bool:
         """Extract until this rank's share is in the store (True), or, with `until_full`, until the buffer is
-        full (False; call again once the trainer has freed room)."""
+        full (False; call again once the trainer has freed room). Samples of damaged segments that a trainer
+        quarantined are extracted again first."""
+        self.redo_quarantined()
         if self._done:
             return True
         if self._bar is None:
@@ -224,6 +227,41 @@ class Extractor:
         self._bar.close()
         self._done = True
         return True
+
+    def redo_quarantined(self) -> int:
+        """Extract again the samples of this writer's quarantined segments, one replacement segment per part
+        (see `SegmentConsumer.quarantine`); returns the number of parts written."""
+        requests = self.store.redo_requests(self.writer.id)
+        by_id = {s.sample_id: s for s in self.samples}
+        for tag, part in requests:
+            missing = [i for i in part["sample_ids"] if i not in by_id]
+            if missing:
+                raise DFlashError(f"quarantined segment {tag} holds samples {missing[:5]} that this extractor's shard "
+                                  "does not have; rerun with the same data and number of extractors")
+            todo = [by_id[i] for i in part["sample_ids"]]
+            if self.cache is not None:
+                todo = self._respond(todo)  # the cached responses: the same samples as the first time
+            todo.sort(key=lambda s: -s.num_tokens)
+            lengths, start, stored = [s.num_tokens for s in todo], 0, []
+            while start < len(todo):
+                end = take_batch(lengths, start, self.batch_tokens)
+                for batch, states, ready in self._forward(todo[start:end]):
+                    if ready is not None:
+                        ready.synchronize()
+                    stored += [Sample(p.sample_id, p.input_ids, p.loss_mask, states[row, : p.num_tokens].clone())
+                               for row, p in enumerate(batch)]
+                start = end
+            info = self.writer.write(stored, pass_index=part["pass_index"], first_use=part["first_use"], replaces=tag)
+            log.info("extracted the %d sample(s) of quarantined part %s again: segment %s (from use %d)",
+                     len(stored), tag, info.segment_id, part["first_use"])
+        return len(requests)
+
+    def serve_redo(self, training_over) -> None:
+        """After this rank's data: stay to extract again whatever a trainer quarantines, until the store is drained
+        or `training_over()` (a trainer that stops at train.max_steps leaves segments unconsumed)."""
+        while not (self.store.drained() or training_over()):
+            if not self.redo_quarantined():
+                time.sleep(1.0)
 
     def summary(self) -> dict[str, Any]:
         return {
@@ -395,11 +433,14 @@ class Extractor:
 
 
 def extract_command(args: argparse.Namespace) -> int:
+    stop_with_launcher()
     cfg = load_config(args.config, args.overrides)
     role = assign_uniform("extractor")
     setup_logging("extractor", role.index, show_bar=role.speaks_for_role)
     device = resolve_device(cfg.target)
     layer_ids, hidden_size = store_layout(cfg)
+    if role.index == 0:
+        hold_output(cfg, ("extract",))
     store = open_store(cfg, layer_ids, hidden_size)
     if role.index == 0:
         store.set_expected_writers(role.count)
@@ -411,6 +452,7 @@ def extract_command(args: argparse.Namespace) -> int:
     summary = extractor.summary()
     metrics.log("end", summary=summary)
     metrics.close()
+    lease.release_all()
     log.info("extracted %d samples, %d tokens in %.1f s (%.0f tok/s, %.1f s waiting on the store)",
              summary["samples"], summary["tokens"], summary["extract_seconds"], summary["tok_s"],
              summary["backpressure_seconds"])

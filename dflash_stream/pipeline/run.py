@@ -22,7 +22,9 @@ from dflash_stream.log import get_logger, setup_logging
 from dflash_stream.observe.metrics import MetricsWriter, TrainingTracker, peak_store_bytes
 from dflash_stream.pipeline.audit import audit_run, format_audit
 from dflash_stream.pipeline.common import open_store, save_resolved_config, store_layout
+from dflash_stream.pipeline.guard import hold_output, stop_with_launcher
 from dflash_stream.pipeline.roles import RoleInfo, assign_role, init_distributed
+from dflash_stream.store import lease
 
 log = get_logger("run")
 
@@ -47,12 +49,15 @@ def audit_command(args: argparse.Namespace) -> int:
 
 
 def _first_rank_opens_store(cfg: Config, role: RoleInfo, layer_ids: list[int], hidden_size: int):
-    """Rank 0 creates or recovers the store before anyone else touches it; its error stops every rank."""
+    """Rank 0 takes the output directory, then creates or recovers the store before anyone else touches it; its
+    error (a live run holds them, a bad store) stops every rank."""
     error: list[str | None] = [None]
     store = None
     if role.global_rank == 0:
         single = role.role == "single"
         try:
+            hold_output(cfg, ("extract", "train"))
+            save_resolved_config(cfg)
             store = open_store(cfg, layer_ids, hidden_size)
             # A trainer's own claims survive: its checkpoint may record a half-trained segment it resumes.
             trainers = [f"trainer-{i}" for i in range(1 if single else cfg.roles.trainers)]
@@ -61,6 +66,7 @@ def _first_rank_opens_store(cfg: Config, role: RoleInfo, layer_ids: list[int], h
                 log.info("recovered the store after an earlier stop: %s", report)
             store.set_expected_writers(1 if single else role.world_size - cfg.roles.trainers)
         except DFlashError as err:  # every rank must learn of it, or the others wait forever
+            lease.release_all()
             error[0] = str(err)
     if role.world_size > 1:
         dist.broadcast_object_list(error, src=0)
@@ -168,7 +174,12 @@ def run_single(cfg: Config, role: RoleInfo, store, metrics: MetricsWriter, devic
         log.info("buffer full: training on the ready segments (round %d)", rounds)
         if trainer.run(until_idle=True) or trainer.stopped_by:  # train.max_steps reached, or a signal
             break
-    finished = trainer.stopped_by is None and trainer.run()
+    finished = False
+    # Train what is left, extracting again the samples of any segment found damaged on the way.
+    while trainer.stopped_by is None and not finished:
+        finished = trainer.run(until_idle=True)
+        if not finished and not extractor.redo_quarantined():
+            time.sleep(0.1)
     fields = {**_extractor_fields(extractor), **_trainer_fields(trainer)}
     return ({**fields, **_finish_training(cfg, role, trainer)} if finished else fields), finished
 
@@ -180,6 +191,7 @@ def run_role(cfg: Config, role: RoleInfo, store, metrics: MetricsWriter, device:
 
         extractor = Extractor(cfg, role, store, metrics, device)
         extractor.run()
+        extractor.serve_redo(lambda: (Path(cfg.output_dir) / SUMMARY_PARTS / "trainer-0.json").exists())
         return _extractor_fields(extractor), True
     from dflash_stream.pipeline.trainer import Trainer
 
@@ -191,6 +203,7 @@ def run_role(cfg: Config, role: RoleInfo, store, metrics: MetricsWriter, device:
 
 def run_command(args: argparse.Namespace) -> int:
     started = time.time()
+    stop_with_launcher()
     cfg = load_config(args.config, args.overrides)
     role = assign_role(cfg)
     setup_logging(role.role, role.index, show_bar=role.speaks_for_role)
@@ -198,7 +211,6 @@ def run_command(args: argparse.Namespace) -> int:
     layer_ids, hidden_size = store_layout(cfg)
     output = Path(cfg.output_dir)
     if role.global_rank == 0:
-        save_resolved_config(cfg)
         log.info(
             "run: %d process(es), %s; layers %s of the target, store %s (budget %s, codec %s)",
             role.world_size, "single-process" if role.role == "single" else f"{role.count} {role.role}(s) here",
@@ -221,6 +233,7 @@ def run_command(args: argparse.Namespace) -> int:
             metrics.log("end", summary=summary)
     finally:
         metrics.close()
+        lease.release_all()
     if dist.is_initialized():
         dist.destroy_process_group()
     return 0

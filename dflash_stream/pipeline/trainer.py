@@ -188,7 +188,7 @@ class Trainer:
 
         finished = [claim_from_record(r) for r in part["finished"]]
         partial = [(claim_from_record(r["claim"]), r["trained"]) for r in part["partial"]]
-        from dflash_stream.store import StoreError
+        from dflash_stream.store import CorruptChunk, StoreError
 
         half_done = [claim.segment_id for claim, _ in partial]
         consumer = self.store.consumer(consumer_id, keep=[c.segment_id for c in finished] + half_done)
@@ -208,9 +208,12 @@ class Trainer:
         consumer = self.store.consumer(consumer_id, keep=half_done)
         for claim, trained in partial:
             done = set(trained)
-            use = SegmentUse(claim, set(claim.sample_ids) - done, list(trained))
-            self.uses[claim.segment_id] = use
-            samples = [s for s in consumer.read(claim) if s.sample_id not in done]
+            try:
+                samples = [s for s in consumer.read(claim) if s.sample_id not in done]
+            except CorruptChunk as err:  # its untrained rest is extracted again (the trained part is recorded)
+                consumer.quarantine(claim, str(err), trained=done)
+                continue
+            self.uses[claim.segment_id] = SegmentUse(claim, set(claim.sample_ids) - done, list(trained))
             self.batcher.add(claim.segment_id, samples)
         log.info(
             "resumed from %s: step %d, %d half-trained segment(s) re-claimed", path, self.steps, len(partial)
@@ -595,13 +598,18 @@ def register(sub: argparse._SubParsersAction) -> None:
 def train_command(args: argparse.Namespace) -> int:
     from dflash_stream.log import setup_logging
     from dflash_stream.pipeline.common import open_store, save_resolved_config, store_layout
+    from dflash_stream.pipeline.guard import hold_output, stop_with_launcher
     from dflash_stream.pipeline.roles import assign_uniform, init_distributed
+    from dflash_stream.store import lease
 
+    stop_with_launcher()
     cfg = load_config(args.config, args.overrides)
     role = assign_uniform("trainer")
     setup_logging("trainer", role.index, show_bar=role.speaks_for_role)
     device = init_distributed() if cfg.target.device == "auto" else torch.device(cfg.target.device)
     layer_ids, hidden_size = store_layout(cfg)
+    if role.index == 0:
+        hold_output(cfg, ("train",))
     store = open_store(cfg, layer_ids, hidden_size, create=False)
     if role.index == 0:
         save_resolved_config(cfg)
@@ -622,6 +630,7 @@ def train_command(args: argparse.Namespace) -> int:
     finally:
         trainer.close()
         metrics.close()
+        lease.release_all()
     if finished:
         return 0
     # Stopped by a signal (here or on another trainer): exit the way a shell reports death by it.

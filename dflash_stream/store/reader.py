@@ -7,6 +7,7 @@ import threading
 import time
 from collections.abc import Iterator
 
+from dflash_stream.store.errors import CorruptChunk
 from dflash_stream.store.segment import StoredSample
 from dflash_stream.store.store import Claim, SegmentConsumer
 
@@ -15,7 +16,8 @@ _END = object()
 
 class SegmentReader:
     """Iterate `(claim, samples)` until the end of data. Up to `prefetch` segments are claimed and decoded
-    ahead; they stay claimed by this consumer until released (recovery returns them if the process dies)."""
+    ahead; they stay claimed by this consumer until released (recovery returns them if the process dies). A segment
+that fails its checksums is quarantined (`SegmentConsumer.quarantine`) and skipped."""
 
     def __init__(self, consumer: SegmentConsumer, prefetch: int = 2) -> None:
         self.consumer = consumer
@@ -56,7 +58,14 @@ class SegmentReader:
                 claim, exhausted = self.consumer._poll(timeout=0.5)
                 if exhausted:
                     break
-                if claim is not None and not self._put((claim, self.consumer.read(claim))):
+                if claim is None:
+                    continue
+                try:
+                    samples = self.consumer.read(claim)
+                except CorruptChunk as err:  # one bad segment must not end the run: its writer redoes it
+                    self.consumer.quarantine(claim, str(err))
+                    continue
+                if not self._put((claim, samples)):
                     return
         except BaseException as err:  # handed to the iterating thread
             self._put(err)

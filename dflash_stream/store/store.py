@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -16,8 +17,15 @@ from typing import Any
 
 from dflash_stream.log import get_logger
 from dflash_stream.store import budget as bud
+from dflash_stream.store import lease
 from dflash_stream.store.codecs import CODECS
-from dflash_stream.store.errors import BudgetTooSmall, FingerprintMismatch, StoreError, StoreFull
+from dflash_stream.store.errors import (
+    BudgetTooSmall,
+    CorruptChunk,
+    FingerprintMismatch,
+    StoreError,
+    StoreFull,
+)
 from dflash_stream.store.segment import (
     FORMAT,
     Sample,
@@ -32,11 +40,15 @@ from dflash_stream.store.segment import (
 )
 
 log = get_logger("store")
-DIRS = ("segments", "tmp", "info", "ready", "claimed", "done", "writers", "budget", "budget/reserved", "budget/waiting")
+DIRS = ("segments", "tmp", "info", "ready", "claimed", "done", "writers", "budget", "budget/reserved", "budget/waiting",
+        "locks", "quarantine")
 BASE_BLOCKS = 2 * len(DIRS) + 8
 """Blocks the empty store takes: its directories, store.json, the lock and a few markers."""
 _ID = re.compile(r"^[A-Za-z0-9_-]+$")
 POLL_SECONDS = (0.02, 0.5)
+QUARANTINE_SHARE = 0.25
+"""Damaged segments are kept for inspection (and counted in the budget) while the quarantine holds less than
+this share of the budget; past it only their records are kept."""
 
 
 def _write_json(path: Path, obj: Any) -> None:
@@ -82,6 +94,10 @@ class SegmentInfo:
     raw_bytes: int
     bytes: int
     """Allocated bytes on disk, as `du` counts them."""
+    first_use: int = 0
+    """The first use it is READY for (above 0 only for a replacement of a damaged segment's later uses)."""
+    replaces: str | None = None
+    """`<segment>.<part>` of the quarantined segment whose samples it holds again."""
 
 
 def min_budget(max_segment_raw_bytes: int, width: int, block: int, codec: str) -> int:
@@ -155,10 +171,15 @@ class Store:
 
     # ---- the public surface --------------------------------------------------------------------------------
     def writer(self, writer_id: str) -> SegmentWriter:
-        return SegmentWriter(self, _check_id("writer", writer_id))
+        # One process per writer id: a second one would write the same segment ids (see lease.py).
+        lease.acquire(self.path / "locks" / f"writer-{_check_id('writer', writer_id)}",
+                      f"writer id {writer_id} of store {self.path}")
+        return SegmentWriter(self, writer_id)
 
     def consumer(self, consumer_id: str, keep: Iterable[str] = ()) -> SegmentConsumer:
-        return SegmentConsumer(self, _check_id("consumer", consumer_id), set(keep))
+        lease.acquire(self.path / "locks" / f"consumer-{_check_id('consumer', consumer_id)}",
+                      f"consumer id {consumer_id} of store {self.path}")
+        return SegmentConsumer(self, consumer_id, set(keep))
 
     def set_expected_writers(self, n: int) -> None:
         _write_json(self.path / "writers" / "expected", n)
@@ -169,12 +190,18 @@ class Store:
             expected = json.loads((self.path / "writers" / "expected").read_text())
         except FileNotFoundError:
             return False
-        return len(self._finished_writers()) >= expected
+        # Samples of a damaged segment still to be extracted again are data yet to come.
+        return len(self._finished_writers()) >= expected and not self.redo_pending()
+
+    def drained(self) -> bool:
+        """End of data, and every segment consumed for the last time."""
+        return self.end_of_data and not self._ls("ready") and not any(self._ls(f"claimed/{c}") for c in self._ls("claimed"))
 
     def published(self) -> list[SegmentInfo]:
         """Every segment ever published here, live or already released and deleted."""
         # Segments are listed before `done`: a release moves its marker to done before deleting the segment.
         names = set(self._ls("segments")) | {_marker(n)[0] for n in self._ls("done")}
+        names |= {n.removesuffix(".json") for n in self._ls("quarantine") if n.endswith(".json")}
         return [info for info in map(self._record, sorted(names)) if info is not None]
 
     def stored_sample_ids(self) -> dict[int, set[int]]:
@@ -203,7 +230,10 @@ class Store:
 
         Claims of `keep_consumers` stay: a resuming trainer decides itself which of its claims to keep.
         """
+        lease.check_free(self.path / "locks", f"store {self.path}")
         report = {"partial_writes": 0, "reservations": 0, "claims_returned": 0, "deletions_finished": 0}
+        for record in self.quarantined():
+            self._finish_quarantine(record)
         writers = set(self._ls("tmp")) | set(self._ls("budget/reserved")) | set(self._ls("budget/waiting"))
         for w in writers:
             report["partial_writes"] += len(self._ls(f"tmp/{w}"))
@@ -211,7 +241,7 @@ class Store:
             self._clean_writer(w)
         for seg in self._ls("segments"):
             if not self._has_marker(seg):
-                self._mark_ready(seg)
+                self._mark_published(seg)
         for c in set(self._ls("claimed")) - set(keep_consumers):
             report["claims_returned"] += self._return_claims(c, set())
         for name in self._ls("done"):
@@ -242,7 +272,7 @@ class Store:
                 return None
             self._info[segment_id] = SegmentInfo(
                 raw["segment_id"], raw["pass_index"], tuple(raw["sample_ids"]), raw["num_tokens"], raw["raw_bytes"],
-                raw["bytes"],
+                raw["bytes"], raw.get("first_use", 0), raw.get("replaces"),
             )
         return self._info[segment_id]
 
@@ -284,6 +314,68 @@ class Store:
     def _mark_ready(self, seg: str, use: int = 0) -> None:
         (self.path / "ready" / f"{seg}@{use}").touch()
 
+    def _mark_published(self, seg: str) -> None:
+        """The steps after a segment's publishing rename: a replacement marks its quarantined part redone (before
+        READY, so that a crash between the two cannot have it extracted a third time), then READY."""
+        info = self._record(seg)
+        if info is not None and info.replaces:
+            (self.path / "quarantine" / f"{info.replaces}.redone").touch()
+        self._mark_ready(seg, info.first_use if info else 0)
+
+    # ---- damaged segments ----------------------------------------------------------------------------------
+    def quarantined(self) -> list[dict[str, Any]]:
+        """Records of the quarantined segments: segment_id, pass_index, use_index, sample_ids, reason, kept
+        (whether the damaged files are still in quarantine/) and redo: the parts to extract again, each
+        {pass_index, first_use, sample_ids}."""
+        records = []
+        for name in sorted(self._ls("quarantine")):
+            if name.endswith(".json"):
+                try:
+                    records.append(json.loads((self.path / "quarantine" / name).read_text()))
+                except (FileNotFoundError, json.JSONDecodeError):
+                    continue
+        return records
+
+    def redo_requests(self, writer_id: str) -> list[tuple[str, dict[str, Any]]]:
+        """(tag, part) for each quarantined part that writer `writer_id` has not extracted again yet."""
+        redone = {n.removesuffix(".redone") for n in self._ls("quarantine") if n.endswith(".redone")}
+        return [(f"{r['segment_id']}.{k}", part) for r in self.quarantined() if r["segment_id"].rpartition(".")[0] == writer_id
+                for k, part in enumerate(r["redo"]) if f"{r['segment_id']}.{k}" not in redone]
+
+    def redo_pending(self) -> bool:
+        names = self._ls("quarantine")
+        if not names:
+            return False
+        redone = {n.removesuffix(".redone") for n in names if n.endswith(".redone")}
+        return any(f"{r['segment_id']}.{k}" not in redone for r in self.quarantined() for k in range(len(r["redo"])))
+
+    def _finish_quarantine(self, record: dict[str, Any]) -> None:
+        """Move a quarantined segment's files aside (or delete them) and drop its markers; repeatable, so that
+        recovery completes a quarantine a crash interrupted."""
+        seg = record["segment_id"]
+        body = self.path / "segments" / seg
+        if record["kept"]:
+            with contextlib.suppress(FileNotFoundError):
+                os.rename(body, self.path / "quarantine" / seg)
+        else:
+            shutil.rmtree(body, ignore_errors=True)
+        for rel in ["ready", *(f"claimed/{c}" for c in self._ls("claimed"))]:
+            for name in self._ls(rel):
+                if _marker(name)[0] == seg:
+                    (self.path / rel / name).unlink(missing_ok=True)
+
+    def verify(self) -> dict[str, Any]:
+        """Read every live segment and check every chunk's checksum; changes nothing."""
+        segments, damaged = sorted(self._ls("segments")), []
+        for seg in segments:
+            try:
+                read_segment(seg, self.path / "segments" / seg)
+            except CorruptChunk as err:
+                if (self.path / "segments" / seg).exists():  # not merely deleted by a consumer meanwhile
+                    damaged.append(seg)
+                    log.warning("%s", err)
+        return {"segments": len(segments), "damaged": damaged, "ok": not damaged}
+
     def _clean_writer(self, writer_id: str) -> None:
         """Remove a writer's partial writes, its unpublished records and its reservation; mark its published
         but unmarked segments READY (it died between publishing and marking)."""
@@ -292,7 +384,7 @@ class Store:
         shutil.rmtree(self.path / "tmp" / writer_id, ignore_errors=True)
         for seg in self._ls("segments"):
             if seg.rpartition(".")[0] == writer_id and not self._has_marker(seg):
-                self._mark_ready(seg)
+                self._mark_published(seg)
         for rel in ("budget/reserved", "budget/waiting"):
             (self.path / rel / writer_id).unlink(missing_ok=True)
 
@@ -317,13 +409,17 @@ class SegmentWriter:
         self._seq = max((int(s) for s in mine if s.isdigit()), default=-1) + 1
         (store.path / "tmp" / writer_id).mkdir(exist_ok=True)
 
-    def write(self, samples: list[Sample], pass_index: int = 0, block: bool = True) -> SegmentInfo:
+    def write(self, samples: list[Sample], pass_index: int = 0, block: bool = True, first_use: int = 0,
+              replaces: str | None = None) -> SegmentInfo:
+        """`first_use` and `replaces` (a tag from `Store.redo_requests`) write a damaged segment's samples again."""
         st = self.store
         tokens = check_samples(samples, st.width)
         raw = raw_bytes(tokens, len(samples), st.width)
         seg = f"{self.id}.{self._seq:06d}"
         record = {"segment_id": seg, "pass_index": pass_index, "sample_ids": [int(s.sample_id) for s in samples],
                   "num_tokens": tokens, "raw_bytes": raw}
+        if replaces is not None:
+            record.update(first_use=first_use, replaces=replaces)
         files = encode_segment(samples, st.codec, st.layer_ids, st.hidden_size)
         record_bytes = len(json.dumps({**record, "bytes": 0})) + 32
         # The segment, its record, and this writer's reservation file.
@@ -332,12 +428,14 @@ class SegmentWriter:
         tmp = st.path / "tmp" / self.id / seg
         try:
             write_files(tmp, files)
-            info = SegmentInfo(seg, pass_index, tuple(record["sample_ids"]), tokens, raw, bud.du(tmp))
+            info = SegmentInfo(seg, pass_index, tuple(record["sample_ids"]), tokens, raw, bud.du(tmp),
+                               record.get("first_use", 0), replaces)
             if info.bytes > need:
                 log.warning("segment %s took %d bytes, more than the %d reserved for it", seg, info.bytes, need)
             _write_json(st.path / "info" / f"{seg}.json", {**record, "bytes": info.bytes})
             os.rename(tmp, st.path / "segments" / seg)
-            st._mark_ready(seg)
+            st._info[seg] = info
+            st._mark_published(seg)
         except OSError as err:
             (st.path / "info" / f"{seg}.json").unlink(missing_ok=True)
             shutil.rmtree(tmp, ignore_errors=True)
@@ -350,7 +448,6 @@ class SegmentWriter:
             raise
         self._unreserve()
         self._seq += 1
-        st._info[seg] = info
         return info
 
     def finish(self) -> None:
@@ -431,6 +528,35 @@ class SegmentConsumer:
 
     def writers_waiting(self) -> bool:
         return bool(self.store._ls("budget/waiting"))
+
+    def quarantine(self, claim: Claim, reason: str, trained: Iterable[int] = ()) -> None:
+        """Set a damaged segment aside instead of stopping: its writer extracts its samples again for this use
+        and the later ones, so every epoch still trains each sample once. `trained`: ids of this use already
+        trained (a half-trained segment found damaged on resume); only the rest come back for this use."""
+        st, seg = self.store, claim.segment_id
+        path = st.path / "quarantine" / f"{seg}.json"
+        record = None
+        with contextlib.suppress(FileNotFoundError, json.JSONDecodeError):
+            record = json.loads(path.read_text())  # quarantined before a crash: keep what it decided
+        if record is None:
+            done = set(trained)
+            rest = [i for i in claim.sample_ids if i not in done]
+            redo = [{"pass_index": claim.pass_index, "first_use": claim.use_index, "sample_ids": rest}] if rest else []
+            if done and claim.use_index + 1 < claim.reuse:
+                redo.append({"pass_index": claim.pass_index, "first_use": claim.use_index + 1,
+                             "sample_ids": [i for i in claim.sample_ids if i in done]})
+            kept = bud.du(st.path / "quarantine") + claim.bytes <= st.budget * QUARANTINE_SHARE
+            record = {"segment_id": seg, "pass_index": claim.pass_index, "use_index": claim.use_index,
+                      "sample_ids": list(claim.sample_ids), "reason": reason, "kept": kept, "redo": redo,
+                      "time": time.time()}
+            # The decision is durable before anything moves; recovery completes the rest after a crash.
+            _write_json(path, record)
+            where = (f"its files kept in {st.path / 'quarantine' / seg} (counted in the budget until you delete them)"
+                     if kept else "its files deleted (the quarantine already holds a quarter of the budget)")
+            log.warning("quarantined damaged segment %s (%s); %s; its %d sample(s) %s will be extracted again by "
+                        "writer %s", seg, reason, where, len(claim.sample_ids), list(claim.sample_ids),
+                        seg.rpartition(".")[0])
+        st._finish_quarantine(record)
 
     def _poll(self, timeout: float | None) -> tuple[Claim | None, bool]:
         """(claim, exhausted): blocks until a claim, the end of data (exhausted) or the timeout."""
