@@ -174,3 +174,28 @@ def test_store_verify_reports_damage_and_changes_nothing(tmp_path, capsys):
     assert "1 damaged: w.000000" in capsys.readouterr().out
     with pytest.raises(StoreError):
         store.attach(tmp_path / "nope")
+
+
+def test_a_run_trains_every_sample_once_per_epoch_past_a_damaged_segment(tiny_target_dir, tmp_path, monkeypatch):
+    from test_pipeline import write_run_config
+
+    from dflash_stream.pipeline.audit import audit_run
+    from dflash_stream.store import segment
+
+    config = write_run_config(tmp_path, tiny_target_dir, rows=24)
+    real_write = segment.write_file
+
+    def damaging_write(path: Path, data) -> None:
+        # A bad sector under the second segment's first chunk of states, found by the trainer's crc32c check.
+        if path.parent.parent.name == "extractor-0.000001" and path.name == "c.0.0" and "hidden" in path.parent.name:
+            data = bytes(data[:-8]) + b"\0" * 8
+        real_write(path, data)
+
+    monkeypatch.setattr(segment, "write_file", damaging_write)
+    assert main(["run", "--config", str(config)]) == 0
+    report = audit_run(tmp_path / "out")
+    assert report["ok"], report
+    assert [p["missing"] + p["duplicated"] for p in report["passes"]] == [0, 0]
+    [quarantined] = report["quarantined"]
+    assert quarantined["segment_id"] == "extractor-0.000001" and quarantined["sample_ids"]
+    assert main(["store", "verify", str(tmp_path / "out" / "store")]) == 0, "nothing damaged is left in use"

@@ -259,7 +259,11 @@ class Extractor:
     def serve_redo(self, training_over) -> None:
         """After this rank's data: stay to extract again whatever a trainer quarantines, until the store is drained
         or `training_over()` (a trainer that stops at train.max_steps leaves segments unconsumed)."""
+        said = False
         while not (self.store.drained() or training_over()):
+            if not said:
+                log.info("all data extracted; staying to extract again any segment a trainer finds damaged")
+                said = True
             if not self.redo_quarantined():
                 time.sleep(1.0)
 
@@ -449,6 +453,8 @@ def extract_command(args: argparse.Namespace) -> int:
     metrics.log("start", config=cfg.model_dump(mode="json"))
     extractor = Extractor(cfg, role, store, metrics, device)
     extractor.run()
+    # While a trainer runs beside this launch, stay to extract again any segment it finds damaged.
+    extractor.serve_redo(lambda: not store.consumers_alive())
     summary = extractor.summary()
     metrics.log("end", summary=summary)
     metrics.close()

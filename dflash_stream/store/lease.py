@@ -218,16 +218,16 @@ def release(path: str | os.PathLike) -> None:
                     raise
 
 
-def check_free(folder: Path, what: str) -> None:
-    """Raise LeaseHeld if a live process other than this one holds any lease in `folder`; stale leases there
-    are removed with a log line (recovery then cleans up after their holders)."""
+def _holders(folder: Path, prefix: str = "") -> list[tuple[Path, dict[str, Any], str | None, float]]:
+    """(path, holder, why stale or None, age) of every lease in `folder` named `prefix*` not held by this process."""
     me = _me()
     try:
-        names = [n for n in os.listdir(folder) if not n.startswith(".")]
+        names = [n for n in os.listdir(folder) if not n.startswith(".") and n.startswith(prefix)]
     except FileNotFoundError:
-        return
+        return []
     probe = folder / f".probe.{me['host']}.{me['pid']}"
     probe.write_text("")
+    found = []
     try:
         for name in names:
             holder = _read(folder / name)
@@ -237,14 +237,27 @@ def check_free(folder: Path, what: str) -> None:
                 age = _age(folder / name, probe)
             except FileNotFoundError:
                 continue
-            why = _why_stale(holder, age)
-            if why is None:
-                raise LeaseHeld(f"{what} is in use: {holder.get('what', name)} is held by a live process "
-                                f"({describe(holder, age)}); stop it first, or wait for it to end")
-            log.warning("%s: %s was left by %s: %s", what, holder.get("what", name), describe(holder, age), why)
-            _break(folder / name, holder)
+            found.append((folder / name, holder, _why_stale(holder, age), age))
     finally:
         probe.unlink(missing_ok=True)
+    return found
+
+
+def any_live(folder: Path, prefix: str = "") -> bool:
+    """Whether another live process holds a lease in `folder` named `prefix*`."""
+    return any(why is None for _, _, why, _ in _holders(folder, prefix))
+
+
+def check_free(folder: Path, what: str) -> None:
+    """Raise LeaseHeld if a live process other than this one holds any lease in `folder`; stale leases there
+    are removed with a log line (recovery then cleans up after their holders)."""
+    for path, holder, why, age in _holders(folder):
+        if why is None:
+            raise LeaseHeld(f"{what} is in use: {holder.get('what', path.name)} is held by a live process "
+                            f"({describe(holder, age)}); stop it first, or wait for it to end")
+    for path, holder, why, age in _holders(folder):
+        log.warning("%s: %s was left by %s: %s", what, holder.get("what", path.name), describe(holder, age), why)
+        _break(path, holder)
 
 
 def release_all() -> None:

@@ -193,6 +193,10 @@ class Store:
         # Samples of a damaged segment still to be extracted again are data yet to come.
         return len(self._finished_writers()) >= expected and not self.redo_pending()
 
+    def consumers_alive(self) -> bool:
+        """Some other live process holds a consumer id of this store (a trainer is running)."""
+        return lease.any_live(self.path / "locks", "consumer-")
+
     def drained(self) -> bool:
         """End of data, and every segment consumed for the last time."""
         return self.end_of_data and not self._ls("ready") and not any(self._ls(f"claimed/{c}") for c in self._ls("claimed"))
