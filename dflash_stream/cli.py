@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import sys
 
+from dflash_stream.diskfull import is_full
 from dflash_stream.errors import DFlashError
 
 # Modules that define `register(subparsers)` (top-level commands) and/or `register_bench(subparsers)`.
@@ -48,6 +50,14 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args) or 0
     except DFlashError as err:
         print(f"dflash-stream: error: {err}", file=sys.stderr)
+        return 2
+    except Exception as err:
+        if not (is_full(err) or getattr(err, "errno", None) == errno.EROFS):
+            raise
+        # A full or read-only disk where no write waits for it: one line; every write is resumable.
+        where = getattr(err, "filename", None) or "a file"
+        print(f"dflash-stream: error: {getattr(err, 'strerror', None) or err} writing {where}; free space (or make "
+              "it writable) and run the same command again", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

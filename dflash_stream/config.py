@@ -98,6 +98,9 @@ class StoreConfig(Section):
     """Raw (bf16) size a segment is filled to before it is published."""
     reuse: int = Field(1, ge=1)
     """How many times a segment is consumed before it is deleted."""
+    keep_free: ByteSize = ByteSize(2**30)
+    """Bytes writers leave free on the store's filesystem whatever the budget: room for checkpoints, the export
+    and other jobs when the disk is smaller or fuller than the budget."""
 
 
 class DrafterConfig(Section):

@@ -199,3 +199,47 @@ def test_a_run_trains_every_sample_once_per_epoch_past_a_damaged_segment(tiny_ta
     [quarantined] = report["quarantined"]
     assert quarantined["segment_id"] == "extractor-0.000001" and quarantined["sample_ids"]
     assert main(["store", "verify", str(tmp_path / "out" / "store")]) == 0, "nothing damaged is left in use"
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A real 2 MiB filesystem (tmpfs), far smaller than the budgets below; root only."""
+    path = tmp_path / "disk"
+    path.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(path)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root / CAP_SYS_ADMIN)")
+    yield path
+    subprocess.run(["umount", "-l", str(path)], check=True)
+
+
+@pytest.mark.slow
+def test_a_disk_smaller_than_the_budget_stops_cleanly_then_resumes(tiny_target_dir, tmp_path, small_disk, monkeypatch,
+                                                                   capsys):
+    from test_pipeline import write_run_config
+
+    from dflash_stream import diskfull
+    from dflash_stream.pipeline.audit import audit_run
+    from dflash_stream.pipeline.checkpoint import complete_checkpoints, latest_checkpoint
+
+    output = small_disk / "out"
+    config = write_run_config(tmp_path, tiny_target_dir, rows=120, **{
+        "output_dir": str(output), "store.path": str(output / "store"), "store.budget": "50MB",
+        "store.keep_free": 0, "train.epochs": 1})
+    monkeypatch.setattr(diskfull, "WAIT_SECONDS", 2.0)
+    # Nothing kept free: the store takes the whole disk (never more), and the first checkpoint finds it full.
+    assert main(["run", "--config", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert "disk full writing" in err and "retrying in 1 s" in err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("dflash-stream: error: disk full writing") and "run the same command again" in last
+    assert latest_checkpoint(output) is None and not (output / "summary.json").exists()
+    # Space is freed (the filesystem grows), and the rerun keeps room for its checkpoints: it resumes and finishes.
+    subprocess.run(["mount", "-o", "remount,size=5m", str(small_disk)], check=True)
+    assert main(["run", "--config", str(config), "--store.keep_free=2.4MB"]) == 0
+    report = audit_run(output)
+    assert report["ok"] and report["passes"][0]["missing"] == report["passes"][0]["duplicated"] == 0, report
+    assert complete_checkpoints(output)
+    # The disk, not the 50 MB budget, bounded the buffer: it was full again and again far below the budget.
+    summary = json.loads((output / "summary.json").read_text())
+    assert summary["peak_store_bytes"] < 5 * 2**20 and "buffer full: training on the ready segments (round 2)" in \
+        capsys.readouterr().err

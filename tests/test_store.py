@@ -324,7 +324,7 @@ def test_read_only_directory(read_only_dir):
         open_store(read_only_dir)
 
 
-def test_disk_full_mid_write_leaves_a_consistent_store(tmp_path, small_chunks, monkeypatch):
+def test_disk_full_mid_write_leaves_a_consistent_store(tmp_path, small_chunks, monkeypatch, caplog):
     store = open_store(tmp_path / "s")
     w = store.writer("w")
     w.write(make_samples([1], [64]))
@@ -332,19 +332,23 @@ def test_disk_full_mid_write_leaves_a_consistent_store(tmp_path, small_chunks, m
 
     def failing_write(path, data):
         calls.append(path)
-        if len(calls) == 6:  # a few chunks in
+        if len(calls) in (6, 30):  # a few chunks into a first attempt, then into a second one
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         real_write(path, data)
 
     monkeypatch.setattr(segment, "write_file", failing_write)
-    with pytest.raises(StoreError, match=r"writing segment w.000001 .* failed: disk full; the partial write was removed"):
-        w.write(make_samples([2], [64]))
-    monkeypatch.undo()
+    # Without blocking the writer gives up at once, with nothing left behind.
+    with pytest.raises(StoreFull, match=r"filled while writing segment w.000001 .*the partial write was removed"):
+        w.write(make_samples([2], [64]), block=False)
     status = store.status()
     assert status["reserved_bytes"] == 0 and status["segments"]["ready"] == 1 and status["segments"]["writing"] == 0
     assert not (store.path / "info" / "w.000001.json").exists()
+    # Blocking, it waits for room and retries (another job took the space for a moment).
+    with caplog.at_level(logging.WARNING, logger="dflash_stream"):
+        w.write(make_samples([2], [64]))
+    assert "disk full while writing segment w.000001" in caplog.text and "retrying in 1 s" in caplog.text
+    monkeypatch.undo()
     reopened = open_store(tmp_path / "s")
-    reopened.writer("w").write(make_samples([2], [64]))
     assert reopened.stored_sample_ids() == {0: {1, 2}}
     assert reopened.status()["used_bytes"] >= du(reopened.path)
 

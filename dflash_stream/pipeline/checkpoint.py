@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from dflash_stream.diskfull import retry_when_full
+
 COMPLETE = "COMPLETE"
 KEEP = 2
 
@@ -58,9 +60,39 @@ def _fsync(path: Path) -> None:
 
 
 def save_torch(obj: Any, path: Path) -> None:
-    """torch.save then fsync: only plain containers and tensors, so `torch.load(weights_only=True)` reads it."""
-    torch.save(obj, path)
-    _fsync(path)
+    """torch.save then fsync: only plain containers and tensors, so `torch.load(weights_only=True)` reads it.
+    A full disk is waited out (see diskfull.py): the file is rewritten whole."""
+
+    def write() -> None:
+        with open(path, "wb") as f:
+            out = _Recorder(f)
+            try:
+                torch.save(obj, out)
+            except RuntimeError:
+                if out.error is not None:  # torch reports a full disk as a RuntimeError; say what it was
+                    raise out.error from None
+                raise
+            f.flush()
+            os.fsync(f.fileno())
+
+    retry_when_full(f"checkpoint file {path}", path.parent, write)
+
+
+class _Recorder:
+    """The file torch.save writes through, keeping the OSError that torch's writer turns into a RuntimeError."""
+
+    def __init__(self, file) -> None:
+        self.file, self.error = file, None
+
+    def write(self, data) -> int:
+        try:
+            return self.file.write(data)
+        except OSError as err:
+            self.error = err
+            raise
+
+    def flush(self) -> None:
+        self.file.flush()
 
 
 def load_torch(path: Path) -> Any:
@@ -75,7 +107,7 @@ def begin(output_dir: str | Path, step: int) -> Path:
     """A fresh staging folder for checkpoint `step` (leftovers of an interrupted attempt are discarded)."""
     staging = staging_dir(output_dir, step)
     shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
+    retry_when_full(f"checkpoint folder {staging}", staging.parent, lambda: staging.mkdir(parents=True, exist_ok=True))
     return staging
 
 
@@ -89,7 +121,7 @@ def publish(output_dir: str | Path, step: int) -> Path:
     shutil.rmtree(final, ignore_errors=True)
     os.rename(staging, final)
     marker = final / COMPLETE
-    marker.write_text(f"{step}\n")
+    retry_when_full(f"checkpoint marker {marker}", final, lambda: marker.write_text(f"{step}\n"))
     _fsync(marker)
     _fsync(final)
     _fsync(final.parent)
@@ -114,9 +146,13 @@ def write_ledger(output_dir: str | Path, index: int, step: int, entries: list[di
     folder = ledger_dir(output_dir, index)
     folder.mkdir(parents=True, exist_ok=True)
     path, tmp = folder / f"{step}.jsonl", folder / f".{step}.jsonl.tmp"
-    tmp.write_text("".join(json.dumps(entry) + "\n" for entry in entries))
-    _fsync(tmp)
-    os.replace(tmp, path)
+
+    def write() -> None:
+        tmp.write_text("".join(json.dumps(entry) + "\n" for entry in entries))
+        _fsync(tmp)
+        os.replace(tmp, path)
+
+    retry_when_full(f"ledger {path}", folder, write)
     _fsync(folder)
     return path
 

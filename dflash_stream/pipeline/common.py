@@ -72,6 +72,7 @@ def open_store(cfg: Config, layer_ids: list[int], hidden_size: int, create: bool
         fingerprint=store_fingerprint(cfg, layer_ids, hidden_size),
         max_segment_raw_bytes=max_segment_raw_bytes(cfg, len(layer_ids), hidden_size),
         create=create,
+        keep_free=int(cfg.store.keep_free),
     )
 
 

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from dflash_stream.config import Config, load_config
+from dflash_stream.diskfull import retry_when_full
 from dflash_stream.errors import DFlashError
 from dflash_stream.log import get_logger, setup_logging
 from dflash_stream.observe.metrics import MetricsWriter, TrainingTracker, peak_store_bytes
@@ -78,9 +79,18 @@ def _first_rank_opens_store(cfg: Config, role: RoleInfo, layer_ids: list[int], h
 def _write_summary_part(output: Path, role: RoleInfo, fields: dict[str, Any]) -> None:
     parts = output / SUMMARY_PARTS
     parts.mkdir(parents=True, exist_ok=True)
-    tmp = parts / f".{role.role}-{role.index}.json.tmp"
-    tmp.write_text(json.dumps(fields))
-    os.replace(tmp, parts / f"{role.role}-{role.index}.json")
+    _write_atomic(parts / f"{role.role}-{role.index}.json", json.dumps(fields))
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    """Write-then-rename, waiting out a full disk (the run's work is already durable; only this file is late)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+
+    def write() -> None:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+
+    retry_when_full(f"{path}", path.parent, write)
 
 
 def write_summary(cfg: Config, store, started: float) -> dict[str, Any]:
@@ -113,9 +123,7 @@ def write_summary(cfg: Config, store, started: float) -> dict[str, Any]:
         "checkpoint": lead.get("export"),
         "eval": lead.get("eval"),
     }
-    tmp = output / ".summary.json.tmp"
-    tmp.write_text(json.dumps(summary, indent=2))
-    os.replace(tmp, output / "summary.json")
+    _write_atomic(output / "summary.json", json.dumps(summary, indent=2))
     width = max(len(k) for k in summary)
     lines = [f"  {k.ljust(width)}  {v if not isinstance(v, dict) else json.dumps(v)}" for k, v in summary.items()]
     print("\nrun summary (" + str(output / "summary.json") + ")\n" + "\n".join(lines), flush=True)
@@ -127,7 +135,8 @@ def _finish_training(cfg: Config, role: RoleInfo, trainer) -> dict[str, Any]:
     fields: dict[str, Any] = {}
     if role.index != 0:
         return fields
-    export = trainer.export(Path(cfg.output_dir) / "drafter")
+    out = Path(cfg.output_dir) / "drafter"
+    export = retry_when_full(f"the drafter export {out}", cfg.output_dir, lambda: trainer.export(out))
     fields["export"] = str(export)
     if cfg.eval.prompts:
         from dflash_stream.drafter import evaluate

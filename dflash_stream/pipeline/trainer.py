@@ -27,6 +27,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 
 from dflash_stream.config import Config, load_config
+from dflash_stream.diskfull import retry_when_full
 from dflash_stream.errors import DFlashError
 from dflash_stream.log import get_logger, progress
 from dflash_stream.observe.metrics import MetricsWriter, TrainingTracker
@@ -392,7 +393,8 @@ class Trainer:
         if self.index == 0:
             from dflash_stream.drafter import save_checkpoint_drafter
 
-            save_checkpoint_drafter(self.drafter, self.spec, staging)
+            retry_when_full(f"checkpoint model in {staging}", staging,
+                            lambda: save_checkpoint_drafter(self.drafter, self.spec, staging))
             ckpt.save_torch({
                 "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
                 "step": self.steps, "tokens": self.tokens_trained, "samples": self._all_samples_trained,

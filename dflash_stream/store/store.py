@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import os
 import re
@@ -15,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dflash_stream import diskfull
 from dflash_stream.log import get_logger
 from dflash_stream.store import budget as bud
 from dflash_stream.store import lease
@@ -54,8 +54,12 @@ this share of the budget; past it only their records are kept."""
 def _write_json(path: Path, obj: Any) -> None:
     """Write-then-rename, so readers see the old file or the new one, never a torn one."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    tmp.write_text(json.dumps(obj))
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(json.dumps(obj))
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a full disk must not leave a torn temporary behind
+        raise
 
 
 def _check_id(kind: str, value: str) -> str:
@@ -108,8 +112,10 @@ def min_budget(max_segment_raw_bytes: int, width: int, block: int, codec: str) -
 class Store:
     """Open with `Store.open`; see the package docstring for the layout and the lifecycle."""
 
-    def __init__(self, path: Path, manifest: dict[str, Any], budget: int) -> None:
+    def __init__(self, path: Path, manifest: dict[str, Any], budget: int, keep_free: int = 0) -> None:
         self.path = path
+        self.keep_free = keep_free
+        """Bytes writers leave free on the store's filesystem, whatever the budget (checkpoints, other jobs)."""
         self.fingerprint: dict[str, Any] = manifest["fingerprint"]
         self.codec: str = manifest["codec"]
         self.reuse: int = manifest["reuse"]
@@ -123,7 +129,7 @@ class Store:
     # ---- opening -------------------------------------------------------------------------------------------
     @classmethod
     def open(cls, path: str | os.PathLike, *, budget: int, codec: str, reuse: int, fingerprint: dict,
-             max_segment_raw_bytes: int, create: bool = True) -> Store:
+             max_segment_raw_bytes: int, create: bool = True, keep_free: int = 0) -> Store:
         path = Path(path)
         if codec not in CODECS:
             raise StoreError(f"unknown store codec '{codec}'; allowed: {', '.join(CODECS)}")
@@ -158,7 +164,7 @@ class Store:
             _write_json(path / "store.json", {**manifest, "budget": budget})
         for d in DIRS:
             (path / d).mkdir(exist_ok=True)
-        return cls(path, manifest, budget)
+        return cls(path, manifest, budget, keep_free)
 
     @classmethod
     def attach(cls, path: str | os.PathLike) -> Store:
@@ -428,28 +434,45 @@ class SegmentWriter:
         record_bytes = len(json.dumps({**record, "bytes": 0})) + 32
         # The segment, its record, and this writer's reservation file.
         need = files_bound(files, st.block) + (-(-record_bytes // st.block) + 1) * st.block
-        self._reserve(need, block)
         tmp = st.path / "tmp" / self.id / seg
-        try:
-            write_files(tmp, files)
-            info = SegmentInfo(seg, pass_index, tuple(record["sample_ids"]), tokens, raw, bud.du(tmp),
-                               record.get("first_use", 0), replaces)
-            if info.bytes > need:
-                log.warning("segment %s took %d bytes, more than the %d reserved for it", seg, info.bytes, need)
-            _write_json(st.path / "info" / f"{seg}.json", {**record, "bytes": info.bytes})
-            os.rename(tmp, st.path / "segments" / seg)
-            st._info[seg] = info
-            st._mark_published(seg)
-        except OSError as err:
-            (st.path / "info" / f"{seg}.json").unlink(missing_ok=True)
-            shutil.rmtree(tmp, ignore_errors=True)
-            self._unreserve()
-            why = "disk full" if err.errno == errno.ENOSPC else (err.strerror or str(err))
-            raise StoreError(f"writing segment {seg} under {st.path} failed: {why}; the partial write was removed") from None
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            self._unreserve()
-            raise
+        waited, delay = 0.0, 1.0
+        while True:
+            self._reserve(need, block)
+            try:
+                write_files(tmp, files)
+                info = SegmentInfo(seg, pass_index, tuple(record["sample_ids"]), tokens, raw, bud.du(tmp),
+                                   record.get("first_use", 0), replaces)
+                if info.bytes > need:
+                    log.warning("segment %s took %d bytes, more than the %d reserved for it", seg, info.bytes, need)
+                _write_json(st.path / "info" / f"{seg}.json", {**record, "bytes": info.bytes})
+                os.rename(tmp, st.path / "segments" / seg)
+                break
+            except OSError as err:
+                (st.path / "info" / f"{seg}.json").unlink(missing_ok=True)
+                shutil.rmtree(tmp, ignore_errors=True)
+                self._unreserve()
+                if not diskfull.is_full(err):
+                    raise StoreError(f"writing segment {seg} under {st.path} failed: {err.strerror or err}; the "
+                                     "partial write was removed") from None
+                # The filesystem filled below the budget (another job took the space): wait for room.
+                free = diskfull.free_bytes(st.path)
+                if not block:
+                    raise StoreFull(f"the disk under {st.path} filled while writing segment {seg} ({free:,} bytes "
+                                    "free); the partial write was removed") from None
+                if waited >= diskfull.WAIT_SECONDS:
+                    raise diskfull.DiskFull(f"the disk under {st.path} stayed full for {waited:.0f} s ({free:,} bytes "
+                                            "free); free space there and run the same command again") from None
+                log.warning("disk full while writing segment %s under %s (%s bytes free): the partial write was "
+                            "removed; retrying in %.0f s", seg, st.path, f"{free:,}", delay)
+                time.sleep(delay)
+                waited, delay = waited + delay, min(delay * 2, diskfull.MAX_DELAY)
+            except BaseException:
+                shutil.rmtree(tmp, ignore_errors=True)
+                self._unreserve()
+                raise
+        # Published: from here on only forward, never undone.
+        st._info[seg] = info
+        diskfull.retry_when_full(f"the markers of segment {seg}", st.path, lambda: st._mark_published(seg))
         self._unreserve()
         self._seq += 1
         return info
@@ -468,24 +491,48 @@ class SegmentWriter:
                 # Reservations are read before segments and segments before the rest: see `_used`.
                 reserved = st._reserved()
                 used = st._used()
-                if used + reserved + need + slack <= st.budget:
-                    _write_json(st.path / "budget" / "reserved" / self.id, need)
-                    break
-            if used + need + slack > st.budget and reserved == 0 and not st._ls("segments"):
+                fits_budget = used + reserved + need + slack <= st.budget
+                # The filesystem may be smaller, or fuller, than the budget: leave store.keep_free to the rest.
+                free = diskfull.free_bytes(st.path)
+                fits_disk = need + slack <= free - reserved - st.keep_free
+                if fits_budget and fits_disk:
+                    try:
+                        _write_json(st.path / "budget" / "reserved" / self.id, need)
+                        break
+                    except OSError as err:
+                        if not diskfull.is_full(err):
+                            raise
+                        fits_disk = False
+            empty = reserved == 0 and not st._ls("segments")
+            if not fits_budget and empty and used + need + slack > st.budget:
                 raise BudgetTooSmall(
                     f"store budget {st.budget:,} bytes cannot fit a segment needing {need:,} bytes beside the "
                     f"{used:,} bytes of records already there; raise store.budget"
                 )
+            waited_long = waiting_since is not None and time.monotonic() - waiting_since > diskfull.WAIT_SECONDS
+            if not fits_disk and empty and (not block or waited_long):
+                raise diskfull.DiskFull(
+                    f"the filesystem under {st.path} has {free:,} bytes free, store.keep_free keeps {st.keep_free:,} "
+                    f"of them, a segment needs {need:,}, and the store holds nothing a trainer could free; free space "
+                    "there (or lower store.keep_free) and run the same command again"
+                )
             if not block:
                 raise StoreFull(
                     f"store {st.path} is full: used {used:,} + reserved {reserved:,} of {st.budget:,} bytes; "
-                    f"{need:,} bytes needed"
+                    f"{need:,} bytes needed" + ("" if fits_disk else f"; the disk has {free:,} bytes free")
                 )
             if waiting_since is None:
                 waiting_since = time.monotonic()
-                (st.path / "budget" / "waiting" / self.id).touch()
-                log.info("writer %s waits for the trainer to free space: used %s + reserved %s of budget %s bytes, "
-                         "%s bytes needed", self.id, f"{used:,}", f"{reserved:,}", f"{st.budget:,}", f"{need:,}")
+                with contextlib.suppress(OSError):  # only a hint for the trainers; a full disk may refuse it
+                    (st.path / "budget" / "waiting" / self.id).touch()
+                if fits_disk:
+                    log.info("writer %s waits for the trainer to free space: used %s + reserved %s of budget %s "
+                             "bytes, %s bytes needed", self.id, f"{used:,}", f"{reserved:,}", f"{st.budget:,}",
+                             f"{need:,}")
+                else:
+                    log.warning("writer %s waits for space: the filesystem under %s has %s bytes free (store.keep_free "
+                                "keeps %s of them), below what store.budget allows; %s bytes needed", self.id,
+                                st.path, f"{free:,}", f"{st.keep_free:,}", f"{need:,}")
             time.sleep(delay)
             delay = min(delay * 2, POLL_SECONDS[1])
         if waiting_since is not None:
@@ -554,7 +601,7 @@ class SegmentConsumer:
                       "sample_ids": list(claim.sample_ids), "reason": reason, "kept": kept, "redo": redo,
                       "time": time.time()}
             # The decision is durable before anything moves; recovery completes the rest after a crash.
-            _write_json(path, record)
+            diskfull.retry_when_full(f"quarantine record {path}", st.path, lambda: _write_json(path, record))
             where = (f"its files kept in {st.path / 'quarantine' / seg} (counted in the budget until you delete them)"
                      if kept else "its files deleted (the quarantine already holds a quarter of the budget)")
             log.warning("quarantined damaged segment %s (%s); %s; its %d sample(s) %s will be extracted again by "
