@@ -83,3 +83,40 @@ def test_kill_9_of_the_launcher_alone_then_rerun_at_once(tiny_target_dir, tmp_pa
     first_log = (tmp_path / "first.log").read_text()
     assert "checkpoint step-" in first_log and "(stop requested by SIGTERM)" in first_log, first_log[-3000:]
     assert_exactly_once(output, epochs=2)
+
+
+def test_separate_extract_and_train_launches_share_a_store_through_kills_and_damage(tiny_target_dir, tmp_path):
+    from test_faults import _corrupt_first_state_chunk
+
+    from dflash_stream.pipeline.audit import audit_run
+
+    config = write_run_config(tmp_path, tiny_target_dir, rows=160)
+    output, store = tmp_path / "out", tmp_path / "out" / "store"
+    extract = _launch(config, tmp_path / "extract.log", "dflash_stream", "extract")
+    _wait_for(lambda: (store / "store.json").exists(), 120, "the store")
+    train = _launch(config, tmp_path / "train.log", "dflash_stream", "train")
+    _wait_for(lambda: any(e["event"] == "train" for e in events(output)), 240, "training to start")
+    # A second extraction on the same store is refused in one line naming the live one.
+    second = subprocess.run([sys.executable, "-m", "dflash_stream", "extract", "--config", str(config)], cwd=REPO,
+                            capture_output=True, text=True, timeout=300)
+    assert second.returncode == 2 and f"pid {extract.pid}," in second.stderr.strip().splitlines()[-1], second.stderr
+    os.kill(train.pid, signal.SIGKILL)
+    train.wait()
+    # While no trainer runs, the segments in the store are damaged (a bad disk): those the dead trainer had
+    # not finished are found on resume (claimed ones returned to READY, a half-trained one re-read).
+    damaged = sorted(os.listdir(store / "segments"))
+    for seg in damaged:
+        _corrupt_first_state_chunk(store / "segments" / seg)
+    train = _launch(config, tmp_path / "train.log", "dflash_stream", "train")
+    time.sleep(5)
+    if extract.poll() is None:  # and the extraction dies too, then comes back
+        os.kill(extract.pid, signal.SIGKILL)
+        extract.wait()
+        extract = _launch(config, tmp_path / "extract.log", "dflash_stream", "extract")
+    assert train.wait(timeout=400) == 0, (tmp_path / "train.log").read_text()[-3000:]
+    assert extract.wait(timeout=120) == 0, (tmp_path / "extract.log").read_text()[-3000:]
+    report = audit_run(output)
+    assert report["ok"], report
+    quarantined = [q["segment_id"] for q in report["quarantined"]]
+    assert quarantined and set(quarantined) <= set(damaged), (quarantined, damaged)
+    assert f"quarantined damaged segment {quarantined[0]}" in (tmp_path / "train.log").read_text()
