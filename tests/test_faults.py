@@ -243,3 +243,26 @@ def test_a_disk_smaller_than_the_budget_stops_cleanly_then_resumes(tiny_target_d
     summary = json.loads((output / "summary.json").read_text())
     assert summary["peak_store_bytes"] < 5 * 2**20 and "buffer full: training on the ready segments (round 2)" in \
         capsys.readouterr().err
+
+
+def test_a_store_that_becomes_read_only_fails_in_one_line_and_recovers(tmp_path, small_disk):
+    store = open_store(small_disk / "s")
+    w = store.writer("w")
+    w.write(make_samples([1, 2], [20, 20]))
+    consumer = store.consumer("c")
+    claim = consumer.claim(timeout=1)
+    subprocess.run(["mount", "-o", "remount,ro", str(small_disk)], check=True)
+    try:
+        with pytest.raises(StoreError, match=r"writing segment w.000001 .* failed: Read-only file system"):
+            w.write(make_samples([3], [20]))
+        with pytest.raises(StoreError, match=r"releasing segment w.000000 .* Read-only file system; it stays claimed"):
+            consumer.release([claim])
+        with pytest.raises(StoreError, match="is not writable: Read-only file system"):
+            open_store(small_disk / "s")
+    finally:
+        subprocess.run(["mount", "-o", "remount,rw", str(small_disk)], check=True)
+    lease.release_all()
+    store = open_store(small_disk / "s")
+    assert store.recover()["claims_returned"] == 1
+    store.writer("w").write(make_samples([3], [20]))
+    assert store.stored_sample_ids() == {0: {1, 2, 3}} and store.status()["segments"]["ready"] == 2

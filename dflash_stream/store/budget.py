@@ -48,7 +48,7 @@ def du(path: Path, skip_below: frozenset[str] = frozenset()) -> int:
 
 class DirLock:
     """An mkdir lock that holds on NFS. The holder is named by an empty file inside it, so a lock left by a
-    dead process on this host (or older than `STALE_LOCK_SECONDS` anywhere) is broken."""
+    dead process on this host (or, from another host, older than `STALE_LOCK_SECONDS`) is broken."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -76,12 +76,13 @@ class DirLock:
             age = time.time() - os.stat(self.path).st_mtime
         except FileNotFoundError:
             return False
-        if age > STALE_LOCK_SECONDS:
-            return True
         for holder in holders:
             host, _, pid = holder.rpartition(".")
-            if host == socket.gethostname() and pid.isdigit() and not _alive(int(pid)):
-                return True
+            if host == socket.gethostname() and pid.isdigit():
+                # Judged by its pid alone, so that a jump of this host's clock cannot break a live lock.
+                return not _alive(int(pid))
+        if age > STALE_LOCK_SECONDS:
+            return True
         # A holder that died between mkdir and naming itself leaves an empty lock.
         return not holders and age > 1.0
 

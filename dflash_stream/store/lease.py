@@ -118,6 +118,7 @@ class _Leases:
         self.lock = threading.Lock()
         self.thread: threading.Thread | None = None
         self.pid = os.getpid()
+        self.unrefreshed: set[Path] = set()
 
     def heartbeat(self) -> None:
         while True:
@@ -133,8 +134,10 @@ class _Leases:
                         os.kill(os.getpid(), signal.SIGKILL)
                     try:
                         os.utime(path)
-                    except OSError as err:
-                        log.warning("cannot refresh the heartbeat of %s (%s)", path, err.strerror)
+                    except OSError as err:  # a read-only or full disk: said once; other hosts may judge it stale
+                        if path not in self.unrefreshed:
+                            log.warning("cannot refresh the heartbeat of %s (%s)", path, err.strerror)
+                        self.unrefreshed.add(path)
 
 
 _LEASES = _Leases()

@@ -437,8 +437,8 @@ class SegmentWriter:
         tmp = st.path / "tmp" / self.id / seg
         waited, delay = 0.0, 1.0
         while True:
-            self._reserve(need, block)
             try:
+                self._reserve(need, block)
                 write_files(tmp, files)
                 info = SegmentInfo(seg, pass_index, tuple(record["sample_ids"]), tokens, raw, bud.du(tmp),
                                    record.get("first_use", 0), replaces)
@@ -448,9 +448,10 @@ class SegmentWriter:
                 os.rename(tmp, st.path / "segments" / seg)
                 break
             except OSError as err:
-                (st.path / "info" / f"{seg}.json").unlink(missing_ok=True)
-                shutil.rmtree(tmp, ignore_errors=True)
-                self._unreserve()
+                with contextlib.suppress(OSError):  # a read-only disk refuses this too; recovery finishes it
+                    (st.path / "info" / f"{seg}.json").unlink(missing_ok=True)
+                    shutil.rmtree(tmp, ignore_errors=True)
+                    self._unreserve()
                 if not diskfull.is_full(err):
                     raise StoreError(f"writing segment {seg} under {st.path} failed: {err.strerror or err}; the "
                                      "partial write was removed") from None
@@ -576,6 +577,9 @@ class SegmentConsumer:
                     f"segment {c.segment_id} (use {c.use_index}) is not claimed by consumer {self.id}; it was "
                     "released already or returned to READY by recovery"
                 ) from None
+            except OSError as err:  # a store that became read-only (or vanished): say so in one line
+                raise StoreError(f"releasing segment {c.segment_id} in {st.path} failed: {err.strerror or err}; "
+                                 "it stays claimed, and the next run releases it") from None
 
     def writers_waiting(self) -> bool:
         return bool(self.store._ls("budget/waiting"))
