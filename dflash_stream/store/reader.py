@@ -15,27 +15,42 @@ _END = object()
 
 
 class SegmentReader:
-    """Iterate `(claim, samples)` until the end of data. Up to `prefetch` segments are claimed and decoded
-    ahead; they stay claimed by this consumer until released (recovery returns them if the process dies). A segment
-that fails its checksums is quarantined (`SegmentConsumer.quarantine`) and skipped."""
+    """Decoded `(claim, samples)` until the end of data, from `next(timeout)` or by iterating. Up to
+    `prefetch` segments are claimed and decoded ahead; they stay claimed by this consumer until released
+    (recovery returns them if the process dies). A segment that fails its checksums is quarantined
+    (`SegmentConsumer.quarantine`) and skipped."""
 
     def __init__(self, consumer: SegmentConsumer, prefetch: int = 2) -> None:
         self.consumer = consumer
         self.wait_seconds = 0.0
+        self.exhausted = False
+        """True once `next` has seen the end of data."""
         self._queue: queue.Queue = queue.Queue(maxsize=max(1, prefetch))
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="segment-reader", daemon=True)
         self._thread.start()
 
-    def __iter__(self) -> Iterator[tuple[Claim, list[StoredSample]]]:
-        while True:
-            start = time.monotonic()
-            item = self._queue.get()
+    def next(self, timeout: float | None = None) -> tuple[Claim, list[StoredSample]] | None:
+        """The next decoded segment; None at the end of data or when none is decoded within `timeout`
+        (0: only one already decoded; None: wait as long as it takes)."""
+        if self.exhausted:
+            return None
+        start = time.monotonic()
+        try:
+            item = self._queue.get(block=timeout != 0, timeout=timeout or None)
+        except queue.Empty:
+            return None
+        finally:
             self.wait_seconds += time.monotonic() - start
-            if item is _END:
-                return
-            if isinstance(item, BaseException):
-                raise item
+        if item is _END:
+            self.exhausted = True
+            return None
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def __iter__(self) -> Iterator[tuple[Claim, list[StoredSample]]]:
+        while (item := self.next()) is not None:
             yield item
 
     def close(self) -> None:
@@ -55,10 +70,10 @@ that fails its checksums is quarantined (`SegmentConsumer.quarantine`) and skipp
     def _run(self) -> None:
         try:
             while not self._stop.is_set():
-                claim, exhausted = self.consumer._poll(timeout=0.5)
-                if exhausted:
-                    break
+                claim = self.consumer.claim(timeout=0.5)
                 if claim is None:
+                    if self.consumer.exhausted():
+                        break
                     continue
                 try:
                     samples = self.consumer.read(claim)
@@ -67,7 +82,7 @@ that fails its checksums is quarantined (`SegmentConsumer.quarantine`) and skipp
                     continue
                 if not self._put((claim, samples)):
                     return
-        except BaseException as err:  # handed to the iterating thread
+        except BaseException as err:  # handed to the thread that asks for segments
             self._put(err)
             return
         self._put(_END)
