@@ -17,6 +17,10 @@ from dflash_stream.errors import ConfigError
 __all__ = ["Config", "ConfigError", "config_from_dict", "dump_config", "load_config", "parse_overrides"]
 
 
+MAX_LENGTH_BUCKETS = 8
+"""torch._dynamo's default recompile limit: past it, compiled FlexAttention falls back to an eager kernel."""
+
+
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
@@ -124,6 +128,11 @@ class TrainConfig(Section):
     batch_tokens: int = Field(8192, ge=16)
     num_anchors: int = Field(512, ge=1)
     gamma: float = Field(7.0, gt=0)
+    length_buckets: list[int] | None = None
+    """Context lengths micro-batches are padded up to (increasing, at most 8, the last >= data.max_length): one
+    compiled attention graph each. Default: 2^k and 1.5 x 2^k from 64 up to data.max_length, the largest 8."""
+    fixed_shapes: Literal["auto", "on", "off"] = "auto"
+    """Pad each micro-batch to its bucket's fixed shape; auto: where attention is compiled (FlexAttention on CUDA)."""
     checkpoint_every: int = Field(200, ge=1)
     max_steps: int | None = Field(None, ge=1)
     total_steps: int | None = Field(None, ge=1)
@@ -133,6 +142,16 @@ class TrainConfig(Section):
     seed: int = 0
     tokens_per_s: float | None = Field(None, gt=0)
     """For `plan`: one trainer's throughput, when known from an earlier run."""
+
+
+    @field_validator("length_buckets")
+    @classmethod
+    def _buckets(cls, v: list[int] | None) -> list[int] | None:
+        if v is not None and not (
+            0 < len(v) <= MAX_LENGTH_BUCKETS and v[0] >= 2 and all(a < b for a, b in zip(v, v[1:], strict=False))
+        ):
+            raise ValueError(f"allowed: null, or 1 to {MAX_LENGTH_BUCKETS} increasing lengths >= 2")
+        return v
 
 
 class RolesConfig(Section):
@@ -170,6 +189,12 @@ class Config(Section):
     def _cross_checks(self) -> Config:
         if self.target.layer_ids is not None and len(self.target.layer_ids) == 0:
             raise ValueError("target.layer_ids: must name at least one layer (or be null for the DFlash rule)")
+        buckets = self.train.length_buckets
+        if buckets is not None and buckets[-1] < self.data.max_length:
+            raise ValueError(
+                f"train.length_buckets: the last bucket ({buckets[-1]}) must be at least data.max_length "
+                f"({self.data.max_length}), or the longest samples would have no shape"
+            )
         reuse, epochs = self.store.reuse, self.train.epochs
         if self.train.epoch_source == "reuse":
             if reuse == 1 and epochs > 1:

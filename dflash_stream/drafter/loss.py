@@ -31,16 +31,36 @@ def eligible_anchors(loss_mask: Tensor) -> Tensor:
     return eligible
 
 
-def sample_anchors(loss_mask: Tensor, num_anchors: int, generator: torch.Generator | None = None) -> tuple[Tensor, Tensor]:
+def sample_anchors(
+    loss_mask: Tensor,
+    num_anchors: int,
+    generator: torch.Generator | None = None,
+    *,
+    lengths: Tensor | None = None,
+    num_blocks: int | None = None,
+) -> tuple[Tensor, Tensor]:
     """Up to `num_anchors` distinct eligible anchors per sequence, uniformly, in increasing order.
 
-    Returns anchors [N, A] (long) and valid [N, A] (bool); A = min(num_anchors, most eligible in a row), and
-    rows with fewer eligible positions are padded with anchor 0 marked invalid.
+    Returns anchors [N, A] (long) and valid [N, A] (bool); A = min(num_anchors, most eligible in a row), or
+    `num_blocks` when given (a fixed shape; it must be at least that), and rows with fewer eligible positions
+    are padded with anchor 0 marked invalid. With `lengths` [N] (0 for an empty padding row, after the real
+    rows), the random scores cover only the real rows and positions, so a batch padded to a fixed shape draws
+    the very anchors of the same batch unpadded.
     """
     eligible = eligible_anchors(loss_mask)
-    a = max(1, min(num_anchors, int(eligible.sum(dim=1).max())))
+    counts = [eligible.sum(dim=1).max()]
+    if lengths is not None:
+        counts += [(lengths > 0).sum(), lengths.max()]
+    most, *real = torch.stack(counts).tolist()  # one device sync for all three
+    extent = tuple(real) or eligible.shape
+    a = max(1, min(num_anchors, most))
+    if num_blocks is not None:
+        if num_blocks < a:
+            raise ValueError(f"num_blocks={num_blocks} is below the {a} blocks this batch needs")
+        a = num_blocks
     rng_device = generator.device if generator is not None else eligible.device
-    scores = torch.rand(eligible.shape, generator=generator, device=rng_device).to(eligible.device)
+    scores = torch.full(eligible.shape, -1.0, device=eligible.device)
+    scores[: extent[0], : extent[1]] = torch.rand(extent, generator=generator, device=rng_device).to(eligible.device)
     scores = scores.masked_fill(~eligible, -1.0)
     top, idx = scores.topk(a, dim=1)
     valid = top >= 0
@@ -62,17 +82,19 @@ def dflash_loss(
     num_anchors: int,
     gamma: float,
     generator: torch.Generator | None = None,
+    num_blocks: int | None = None,
 ) -> LossOutput:
     """Decay-weighted cross-entropy of all blocks of a batch, drafted in one forward pass.
 
     batch: "hidden_states" [N, S, K*D], "input_ids" [N, S], "loss_mask" [N, S] (False on padding), "lengths" [N].
     Block j is [input_ids[a_j], MASK x (B-1)] at positions a_j .. a_j+B-1; slot k predicts input_ids[a_j + k].
+    `num_blocks` fixes A for a batch padded to a fixed shape (`pipeline.shapes`); the loss is the same.
     """
     ids, loss_mask, lengths = batch["input_ids"], batch["loss_mask"].bool(), batch["lengths"]
     n, s = ids.shape
     bs = drafter.spec.block_size
     dev = ids.device
-    anchors, valid = sample_anchors(loss_mask, num_anchors, generator)
+    anchors, valid = sample_anchors(loss_mask, num_anchors, generator, lengths=lengths, num_blocks=num_blocks)
     a = anchors.shape[1]
 
     offsets = torch.arange(bs, device=dev)

@@ -107,6 +107,7 @@ def _train(cfg: Config, model, tokenizer, layer_ids: list[int], samples: list[Pr
     """Training tokens/s of the real drafter on these samples (after one warm-up step)."""
     from dflash_stream.drafter import DFlashDrafter, TargetHead, build_spec, dflash_loss
     from dflash_stream.pipeline.batches import TokenBatcher, collate
+    from dflash_stream.pipeline.shapes import ShapePlan, fixed_shapes_on
     from dflash_stream.store.segment import StoredSample
     from dflash_stream.target_model import text_config
 
@@ -117,15 +118,18 @@ def _train(cfg: Config, model, tokenizer, layer_ids: list[int], samples: list[Pr
     autocast = cfg.train.mixed_precision == "bf16" or (cfg.train.mixed_precision == "auto" and device.type == "cuda")
     stored = [StoredSample(s.sample_id, torch.from_numpy(s.input_ids.astype(np.int64)),
                            torch.from_numpy(s.loss_mask), h) for s, h in zip(samples, states, strict=True)]
-    batcher = TokenBatcher(cfg.train.batch_tokens)
+    batcher = TokenBatcher(ShapePlan.from_config(cfg))
     timed_tokens, timed_s = 0, 0.0
     for step in range(steps + 1):
         if not len(batcher):
             batcher.add("tune", stored)
-        batch = collate(batcher.next_batch(), device)
+        members = batcher.next_batch()
+        shape = batcher.shape(members) if fixed_shapes_on(cfg, drafter.uses_flex(device)) else None
+        batch = collate(members, device, shape)
         start = time.perf_counter()
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
-            out = dflash_loss(drafter, head, batch, num_anchors=cfg.train.num_anchors, gamma=cfg.train.gamma)
+            out = dflash_loss(drafter, head, batch, num_anchors=cfg.train.num_anchors, gamma=cfg.train.gamma,
+                              num_blocks=shape.blocks if shape else None)
         out.loss.backward()
         torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.train.grad_clip)
         optimizer.step()

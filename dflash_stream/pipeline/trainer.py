@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
 
-from dflash_stream.config import Config, load_config
+from dflash_stream.config import MAX_LENGTH_BUCKETS, Config, load_config
 from dflash_stream.errors import DFlashError
 from dflash_stream.log import get_logger, progress
 from dflash_stream.observe.metrics import MetricsWriter, TrainingTracker
@@ -34,6 +34,7 @@ from dflash_stream.pipeline import checkpoint as ckpt
 from dflash_stream.pipeline.batches import Member, SegmentFeed, TokenBatcher, collate
 from dflash_stream.pipeline.common import log_store_event
 from dflash_stream.pipeline.roles import RoleInfo
+from dflash_stream.pipeline.shapes import CompileWatch, ShapePlan, fixed_shapes_on
 
 if TYPE_CHECKING:
     from dflash_stream.drafter import LossOutput
@@ -131,7 +132,13 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self.schedule)
         self.generator = torch.Generator(device=device).manual_seed(tc.seed * 1_000_003 + self.index)
 
-        self.batcher = TokenBatcher(tc.batch_tokens)
+        plan = ShapePlan.from_config(cfg)
+        self.batcher = TokenBatcher(plan)
+        # Fixed shapes where attention is compiled: one graph per length bucket instead of one per batch.
+        self.fixed_shapes = fixed_shapes_on(cfg, self.drafter.uses_flex(device))
+        self.compile_watch = CompileWatch(len(plan) if self.fixed_shapes else MAX_LENGTH_BUCKETS)
+        log.info("attention shapes: %s", plan.describe() if self.fixed_shapes
+                 else "per batch (train.fixed_shapes is off or attention is not compiled here)")
         self.uses: dict[str, SegmentUse] = {}
         self.steps = 0
         self.samples_trained = 0
@@ -292,12 +299,15 @@ class Trainer:
             members = self._next_members()
             if not members:
                 break
-            batch = collate(members, self.device)
+            shape = self.batcher.shape(members) if self.fixed_shapes else None
+            batch = collate(members, self.device, shape)
             with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
                 out = dflash_loss(
                     self.drafter, self.head, batch,
                     num_anchors=self.cfg.train.num_anchors, gamma=self.cfg.train.gamma, generator=self.generator,
+                    num_blocks=shape.blocks if shape else None,
                 )
+            self.compile_watch.observe(tuple(batch["input_ids"].shape))
             # Backpropagate the weighted sum; the step divides by the global weight (see module docstring).
             (out.loss * out.weight).backward()
             self._window.add(out)
@@ -521,6 +531,7 @@ class Trainer:
         self.metrics.log(
             "train", step=self.steps, loss=stats["loss"], acc=stats["acc"], tau=tau, lr=lr,
             tokens=self.tokens_trained, tok_s=tok_s, data_wait_s=self.data_wait_seconds, epoch=stats["epoch"],
+            graphs_compiled=self.compile_watch.graphs_compiled, graphs_planned=self.compile_watch.bound,
         )
 
     # ---------------------------------------------------------------- export
