@@ -22,6 +22,7 @@ from dflash_stream.observe.metrics import MetricsWriter, read_metrics
 from dflash_stream.pipeline import checkpoint as ckpt
 from dflash_stream.pipeline.common import open_store
 from dflash_stream.pipeline.roles import RoleInfo
+from dflash_stream.pipeline.shapes import default_buckets
 from dflash_stream.pipeline.trainer import Trainer
 
 LAYER_IDS = [1, 2, 3]
@@ -148,8 +149,9 @@ def new_trainer(cfg: Config) -> Trainer:
     return Trainer(cfg, ONE_TRAINER, store, MetricsWriter(cfg.output_dir, "trainer", 0), torch.device("cpu"))
 
 
-def test_loss_goes_down_and_every_sample_is_trained_once_per_epoch(tmp_path, target_dir, samples):
-    cfg = make_config(tmp_path, target_dir, epochs=3)
+@pytest.mark.parametrize("fixed_shapes", ["auto", "on"])  # on: batches padded to their bucket's shape (as on CUDA)
+def test_loss_goes_down_and_every_sample_is_trained_once_per_epoch(tmp_path, target_dir, samples, fixed_shapes):
+    cfg = make_config(tmp_path, target_dir, epochs=3, fixed_shapes=fixed_shapes)
     store = fill_store(cfg, samples[:20])
     write_data_report(cfg, samples[:20])
     trainer = new_trainer(cfg)
@@ -164,6 +166,9 @@ def test_loss_goes_down_and_every_sample_is_trained_once_per_epoch(tmp_path, tar
     assert all(lr > 0 for lr in lrs[:-1]) and lrs[-1] < 0.1 * cfg.train.lr
     assert_exactly_once(Path(cfg.output_dir), samples[:20], epochs=3)
     assert_store_drained(store)
+    # Nothing is compiled on the CPU (SDPA); the bound is the plan's buckets when shapes are fixed.
+    planned = len(default_buckets(cfg.data.max_length)) if fixed_shapes == "on" else 8
+    assert all(e["graphs_compiled"] == 0 and e["graphs_planned"] == planned for e in events)
     export = trainer.export(tmp_path / "drafter")
     assert (export / "config.json").is_file() and (export / "model.safetensors").is_file()
 
