@@ -126,6 +126,8 @@ class TrainConfig(Section):
     grad_clip: float = Field(1.0, gt=0)
     grad_accum: int = Field(1, ge=1)
     batch_tokens: int = Field(8192, ge=16)
+    """Context tokens of a micro-batch, padding included (rows x bucket length); a shorter bucket takes no more
+    rows than cost what a full batch of the longest bucket costs, block tokens included (pipeline/shapes.py)."""
     num_anchors: int = Field(512, ge=1)
     gamma: float = Field(7.0, gt=0)
     length_buckets: list[int] | None = None

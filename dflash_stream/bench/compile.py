@@ -70,7 +70,7 @@ def demo_samples(cfg: Config, tokenizer) -> list[_Sample]:  # noqa: ANN001 - a t
 def headline_lengths(count: int, max_length: int, min_supervised: int, seed: int = 0) -> list[_Sample]:
     """A stream like the headline job's (stated, not measured): prompts lognormal with median 300 tokens and
     sigma 1.0, regenerated responses lognormal with median 600 and sigma 0.8 capped at 2,048 new tokens, cut to
-    max_length; mean ~1.3k tokens a sample. Only lengths and loss masks are made."""
+    max_length; mean ~1.2k tokens a sample. Only lengths and loss masks are made."""
     rng = np.random.default_rng(seed)
     out = []
     while len(out) < count:
