@@ -2,10 +2,11 @@
 
 On CUDA the drafter's FlexAttention runs under `torch.compile(dynamic=False)`, which builds one graph per input
 shape; past torch's recompile limit (8) it falls back to an eager kernel that materialises every score. So a
-micro-batch is not shaped by its samples but by its length bucket: S = the bucket's length, N = the rows of
-`train.batch_tokens` that fit at that length (empty rows are padding), A = min(num_anchors, S - 1) blocks (the
-most any sample of that length can have; blocks without an anchor are masked out of the loss). One bucket is
-one shape is one compiled graph, so a run compiles at most `len(buckets)` graphs, known before it starts.
+micro-batch is not shaped by its samples but by its length bucket: S = the bucket's length, A = min(num_anchors,
+S - 1) blocks (the most any sample of that length can have; blocks without an anchor are masked out of the
+loss), N = the rows of `train.batch_tokens` that fit at that length, capped so that the batch costs no more
+than one of the longest bucket (empty rows pad a partial batch). One bucket is one shape is one compiled graph,
+so a run compiles at most `len(buckets)` graphs, known before it starts.
 """
 
 from __future__ import annotations
@@ -33,8 +34,8 @@ class Shape:
 
 def default_buckets(max_length: int) -> list[int]:
     """Lengths 2^k and 1.5 x 2^k (each a multiple of 64 and so of FlexAttention's 128-wide tiles from 256 on),
-    from 64 up to `max_length`, which is always the last: the largest MAX_LENGTH_BUCKETS of them. Neighbours differ by
-    x1.33 or x1.5, so a sample pads by about 20 % on average."""
+    from 64 up to `max_length`, which is always the last: the largest MAX_LENGTH_BUCKETS of them. Neighbours
+    differ by x1.33 or x1.5, so a sample pads by about 20 % on average."""
     series = sorted({b for k in range(6, 20) for b in (2**k, 3 * 2 ** (k - 1)) if MIN_BUCKET <= b < max_length})
     return [*series, max_length][-MAX_LENGTH_BUCKETS:]
 
