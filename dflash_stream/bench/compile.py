@@ -192,12 +192,13 @@ def compile_run(cfg: Config, device: torch.device, *, backward: bool, min_batche
     drafter_model.COMPILED_FLEX_DEVICES.add(device.type)
     watch = CompileWatch(len(result["plan"]))
     compile_seconds, started = 0.0, time.perf_counter()
+    bf16 = cfg.train.bf16_autocast(device.type)
     for members, shape in result["new"]:
         members = [Member(m.segment_id, replace(m.sample, input_ids=m.sample.input_ids % HEAD_ROWS,
                                                 hidden_states=states[m.sample.sample_id])) for m in members]
         batch = collate(members, device, shape)
         before, t0 = watch.graphs_compiled, time.perf_counter()
-        with torch.set_grad_enabled(backward), torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+        with torch.set_grad_enabled(backward), torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
             out = dflash_loss(drafter, head, batch, num_anchors=cfg.train.num_anchors, gamma=cfg.train.gamma,
                               num_blocks=shape.blocks)
         if backward:
