@@ -187,3 +187,28 @@ def test_compile_watch_counts_graphs_and_warns_past_the_plan(caplog):
         watch.observe((5, 1))
     assert watch.graphs_compiled == 3
     assert "past the 2 planned" in caplog.text and len(watch.shapes) == 3
+
+
+def test_bucketed_shapes_waste_less_than_per_batch_shapes_on_headline_like_lengths():
+    """The real batcher over a synthetic stream shaped like the headline job's (bench compile's figure)."""
+    from dflash_stream.bench.compile import HEADLINE, headline_lengths, wastes
+
+    cfg = config_from_dict({**_cfg(batch_tokens=49152, num_anchors=512), "drafter": {"block_size": 16}})
+    samples = headline_lengths(3000, cfg.data.max_length, cfg.min_supervised_tokens)
+    result = wastes(cfg, samples, int(cfg.store.segment_bytes) // HEADLINE["bytes_per_token"], 60)
+    assert result["batches"] >= 60 and len({s for _, s in result["new"]}) <= 8
+    assert result["padding_waste"] < min(0.3, result["baseline_padding_waste"])
+
+
+@pytest.mark.slow
+def test_bench_compile_stays_within_one_graph_per_bucket(capsys):
+    """`bench compile` on the CPU: real demo lengths through compiled FlexAttention (needs a C compiler)."""
+    import json
+
+    from dflash_stream.cli import main
+
+    assert main(["bench", "compile", "--json", "--batches", "50"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["batches"] >= 50
+    assert result["graphs_compiled"] <= min(8, len(result["buckets"]))
+    assert 0 < result["distinct_shapes"] <= len(result["buckets"]) and result["padding_waste"] < 0.3

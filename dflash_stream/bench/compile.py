@@ -171,14 +171,17 @@ def wastes(cfg: Config, samples: list[_Sample], segment_tokens: int, min_batches
 def compile_run(cfg: Config, device: torch.device, *, backward: bool, min_batches: int = 60) -> dict:
     """Real batches of the demo data through the loss with compiled FlexAttention on `device`: distinct shapes,
     graphs compiled, compile seconds, padding waste. With `backward`, also the backward pass (CUDA only)."""
+    from transformers import AutoTokenizer
+
     from dflash_stream.drafter import DFlashDrafter, TargetHead, build_spec, dflash_loss
     from dflash_stream.drafter import model as drafter_model
-    from dflash_stream.drafter.spec import _load_tokenizer
     from dflash_stream.pipeline.common import store_layout
     from dflash_stream.target_model import load_target_config
+    from dflash_stream.target_model.loading import model_location
 
     layer_ids, hidden = store_layout(cfg)
-    tokenizer = _load_tokenizer(cfg)
+    location, kwargs = model_location(cfg.target)
+    tokenizer = AutoTokenizer.from_pretrained(location, **kwargs)
     samples = demo_samples(cfg, tokenizer)
     width = len(layer_ids) * hidden
     segment_tokens = max(1, int(cfg.store.segment_bytes) // (2 * width))
