@@ -249,10 +249,18 @@ def bench_compile(args: argparse.Namespace) -> int:
 
     setup_logging("bench", 0, show_bar=False)
     torch._dynamo.reset()
+    previous = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     with tempfile.TemporaryDirectory() as cache:
         # A cold compiler cache: the compile time a fresh machine (or a new shape) pays, not a cache hit.
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache
-        result = compile_run(load_config(args.config), torch.device("cpu"), backward=False, min_batches=args.batches)
+        try:
+            result = compile_run(load_config(args.config), torch.device("cpu"), backward=False,
+                                 min_batches=args.batches)
+        finally:
+            if previous is None:
+                os.environ.pop("TORCHINDUCTOR_CACHE_DIR")
+            else:
+                os.environ["TORCHINDUCTOR_CACHE_DIR"] = previous
     result["headline"] = _headline(args.batches)
     result["target"] = {"graphs_compiled": f"<= {len(result['buckets'])} buckets and <= 8"}
     if args.json:
