@@ -192,25 +192,30 @@ def compile_run(cfg: Config, device: torch.device, *, backward: bool, min_batche
     head = TargetHead(torch.randn(HEAD_ROWS, hidden, device=device) * 0.02)
     gen = torch.Generator().manual_seed(0)
     states = {s.sample_id: torch.randn(len(s.input_ids), width, generator=gen) for s in samples}
-    drafter_model.COMPILED_FLEX_DEVICES.add(device.type)
     watch = CompileWatch(len(result["plan"]))
     compile_seconds, started = 0.0, time.perf_counter()
     bf16 = cfg.train.bf16_autocast(device.type)
-    for members, shape in result["new"]:
-        members = [Member(m.segment_id, replace(m.sample, input_ids=m.sample.input_ids % HEAD_ROWS,
-                                                hidden_states=states[m.sample.sample_id])) for m in members]
-        batch = collate(members, device, shape)
-        before, t0 = watch.graphs_compiled, time.perf_counter()
-        with torch.set_grad_enabled(backward), torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
-            out = dflash_loss(drafter, head, batch, num_anchors=cfg.train.num_anchors, gamma=cfg.train.gamma,
-                              num_blocks=shape.blocks)
-        if backward:
-            out.loss.backward()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        watch.observe(tuple(batch["input_ids"].shape))
-        if watch.graphs_compiled > before:
-            compile_seconds += time.perf_counter() - t0
+    compiled_here = device.type not in drafter_model.COMPILED_FLEX_DEVICES
+    drafter_model.COMPILED_FLEX_DEVICES.add(device.type)
+    try:
+        for members, shape in result["new"]:
+            members = [Member(m.segment_id, replace(m.sample, input_ids=m.sample.input_ids % HEAD_ROWS,
+                                                    hidden_states=states[m.sample.sample_id])) for m in members]
+            batch = collate(members, device, shape)
+            before, t0 = watch.graphs_compiled, time.perf_counter()
+            with torch.set_grad_enabled(backward), torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+                out = dflash_loss(drafter, head, batch, num_anchors=cfg.train.num_anchors, gamma=cfg.train.gamma,
+                                  num_blocks=shape.blocks)
+            if backward:
+                out.loss.backward()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            watch.observe(tuple(batch["input_ids"].shape))
+            if watch.graphs_compiled > before:
+                compile_seconds += time.perf_counter() - t0
+    finally:
+        if compiled_here:
+            drafter_model.COMPILED_FLEX_DEVICES.discard(device.type)
     return {
         "batches": result["batches"],
         "distinct_shapes": len(watch.shapes),
