@@ -10,10 +10,9 @@ import pytest
 import torch
 
 from dflash_stream.config import ConfigError, config_from_dict
-from dflash_stream.drafter import DFlashDrafter, DrafterSpec, TargetHead, dflash_loss
-from dflash_stream.pipeline import batches
-from dflash_stream.pipeline.batches import TokenBatcher, collate
-from dflash_stream.pipeline.shapes import CompileWatch, ShapePlan, default_buckets
+from dflash_stream.drafter import DFlashDrafter, DrafterSpec, TargetHead, batches, dflash_loss
+from dflash_stream.drafter.batches import TokenBatcher, collate
+from dflash_stream.drafter.shapes import CompileWatch, ShapePlan, default_buckets
 
 
 @dataclass

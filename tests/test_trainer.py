@@ -18,11 +18,11 @@ import torch
 import yaml
 
 from dflash_stream.config import Config, config_from_dict
+from dflash_stream.drafter.shapes import default_buckets
 from dflash_stream.observe.metrics import MetricsWriter, read_metrics
 from dflash_stream.pipeline import checkpoint as ckpt
 from dflash_stream.pipeline.common import open_store
 from dflash_stream.pipeline.roles import RoleInfo
-from dflash_stream.pipeline.shapes import default_buckets
 from dflash_stream.pipeline.trainer import Trainer
 
 LAYER_IDS = [1, 2, 3]

@@ -4,7 +4,7 @@ the compiled FlexAttention forward, counting the graphs torch.compile builds and
 The samples are the demo config's rows tokenized with the demo target's tokenizer (their own responses, not
 regenerated), packed into segments as the extractor packs them (length-sorted windows of 4 segments of
 `store.segment_bytes`) and streamed through `TokenBatcher` pass after pass (the epochs) until `--batches`
-batches went out. Each batch is padded to its bucket's shape (`pipeline/shapes.py`) and runs the real loss
+batches went out. Each batch is padded to its bucket's shape (`drafter/shapes.py`) and runs the real loss
 (`dflash_loss`) with the demo drafter's widths under `torch.no_grad()`: the CPU compiler has no FlexAttention
 backward. Hidden states and the LM head are random (a 1,024-row head: the vocabulary does not shape attention).
 
@@ -31,8 +31,8 @@ import torch
 import torch._dynamo
 
 from dflash_stream.config import Config, config_from_dict, load_config
-from dflash_stream.pipeline.batches import Member, TokenBatcher, collate
-from dflash_stream.pipeline.shapes import CompileWatch, Shape, ShapePlan
+from dflash_stream.drafter.batches import Member, TokenBatcher, collate
+from dflash_stream.drafter.shapes import CompileWatch, Shape, ShapePlan
 
 HEAD_ROWS = 1024
 WINDOW_SEGMENTS = 4  # as the extractor's length-sorted windows

@@ -11,11 +11,11 @@ from dflash_stream.errors import DFlashError
 
 def _checkpoint_dir(path: Path) -> Path:
     """A checkpoint directory itself, or a run's output folder (its latest complete checkpoint)."""
-    from dflash_stream.pipeline.checkpoint import latest_checkpoint
+    from dflash_stream.rundir import RunDir
 
     if (path / "drafter_spec.json").is_file():
         return path
-    latest = latest_checkpoint(path) if path.is_dir() else None
+    latest = RunDir(path).latest_checkpoint() if path.is_dir() else None
     if latest is None:
         raise DFlashError(f"{path}: neither a trainer checkpoint (drafter_spec.json) nor a run with one")
     return latest

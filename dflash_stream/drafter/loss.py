@@ -88,7 +88,7 @@ def dflash_loss(
 
     batch: "hidden_states" [N, S, K*D], "input_ids" [N, S], "loss_mask" [N, S] (False on padding), "lengths" [N].
     Block j is [input_ids[a_j], MASK x (B-1)] at positions a_j .. a_j+B-1; slot k predicts input_ids[a_j + k].
-    `num_blocks` fixes A for a batch padded to a fixed shape (`pipeline.shapes`); the loss is the same.
+    `num_blocks` fixes A for a batch padded to a fixed shape (`drafter/shapes.py`); the loss is the same.
     """
     ids, loss_mask, lengths = batch["input_ids"], batch["loss_mask"].bool(), batch["lengths"]
     n, s = ids.shape

@@ -60,7 +60,7 @@ COMPILED_FLEX_DEVICES = {"cuda"}
 @cache
 def _compiled_flex() -> Callable:
     # FlexAttention is only fast (and memory-light) compiled; the eager fallback materialises the scores.
-    # One graph per input shape: the trainer keeps to a fixed family of shapes (pipeline/shapes.py).
+    # One graph per input shape: the trainer keeps to a fixed family of shapes (drafter/shapes.py).
     return torch.compile(flex_attention, dynamic=False)
 
 
