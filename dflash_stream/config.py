@@ -36,6 +36,8 @@ class TargetConfig(Section):
     """Only for `plan` without the model at hand: the target's decoder layer count."""
     hidden_size: int | None = Field(None, ge=1)
     """Only for `plan` without the model at hand: the target's hidden size."""
+    intermediate_size: int | None = Field(None, ge=1)
+    """Only for `plan` without the model at hand: the target's MLP width (sizes the drafter's checkpoints)."""
 
     @field_validator("device")
     @classmethod
@@ -125,6 +127,12 @@ class TrainConfig(Section):
     num_anchors: int = Field(512, ge=1)
     gamma: float = Field(7.0, gt=0)
     checkpoint_every: int = Field(200, ge=1)
+    keep_checkpoints: int = Field(2, ge=1)
+    """Complete checkpoints kept on disk. One is enough for the release protocol (the old one is deleted only
+    after the new one is durable), so at most keep_checkpoints + 1 exist at once; more keep older fallbacks."""
+    optimizer_state_dtype: Literal["float32", "bfloat16"] = "float32"
+    """How checkpoints store AdamW's moments: bfloat16 makes a checkpoint 8 instead of 12 bytes per parameter;
+    a resumed run then continues from moments rounded to 8 bits of mantissa (not bit-identical)."""
     max_steps: int | None = Field(None, ge=1)
     total_steps: int | None = Field(None, ge=1)
     """Length of the cosine schedule; default: estimated from the data."""

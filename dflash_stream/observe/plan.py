@@ -44,13 +44,16 @@ class TargetShape:
     vocab_size: int | None
     intermediate_size: int | None
     source: str
+    config: Any = None
+    """The target's text config when it was read (widths and heads for the drafter's size)."""
 
 
 def target_shape(cfg: Config) -> TargetShape:
     """Depth and width from target.num_layers/hidden_size, else from a local model's config (no download)."""
     t = cfg.target
     if t.num_layers and t.hidden_size:
-        return TargetShape(t.num_layers, t.hidden_size, None, None, "config (target.num_layers, target.hidden_size)")
+        return TargetShape(t.num_layers, t.hidden_size, None, t.intermediate_size,
+                           "config (target.num_layers, target.hidden_size)")
     from dflash_stream.target_model import load_target_config, model_location
 
     location, _ = model_location(t)
@@ -64,7 +67,7 @@ def target_shape(cfg: Config) -> TargetShape:
     what = f"GGUF header of {t.gguf_file}" if t.gguf_file else f"{Path(location) / 'config.json'}"
     return TargetShape(
         tc.num_hidden_layers, tc.hidden_size, getattr(tc, "vocab_size", None),
-        getattr(tc, "intermediate_size", None), what,
+        getattr(tc, "intermediate_size", None), what, tc,
     )
 
 
@@ -185,6 +188,32 @@ def disk_space(cfg: Config, budget: int) -> dict[str, Any]:
             "headroom_bytes": free - budget}
 
 
+def footprint_for(cfg: Config, num_capture_layers: int, hidden_size: int, target_config: Any | None,
+                  samples: int | None, mean_tokens: float | None, tune: dict | None,
+                  intermediate_size: int | None = None, ratio: float | None = None) -> dict[str, Any]:
+    """The whole disk footprint (observe/disk.py) from the plan's figures; unknown ones are counted here."""
+    from dflash_stream.observe import disk
+
+    if samples is None:
+        samples = _samples(cfg, None)[0]
+    if mean_tokens is None:
+        mean_tokens = _mean_tokens(cfg, None, tune)[0]
+    shape = disk.drafter_shape(cfg, target_config, hidden_size, intermediate_size, num_capture_layers)
+    params = disk.drafter_params(shape)
+    ratio = ratio or DESIGN_RATIOS[cfg.store.codec]
+    per_sample = (num_capture_layers * hidden_size * 2 + IDS_MASK_BYTES_PER_TOKEN) * mean_tokens
+    tokens = samples * mean_tokens if samples else None
+    steps = cfg.train.total_steps or (math.ceil(tokens * cfg.train.epochs / (
+        cfg.train.batch_tokens * cfg.train.grad_accum * cfg.roles.trainers)) if tokens else None)
+    if steps and cfg.train.max_steps:
+        steps = min(steps, cfg.train.max_steps)
+    uses = (math.ceil(per_sample * samples / int(cfg.store.segment_bytes)) * cfg.extraction_passes
+            * cfg.store.reuse if samples else None)
+    parts = disk.run_parts(cfg, params, samples, mean_tokens, steps, uses,
+                           samples_in_budget=min(int(cfg.store.budget) / (per_sample / ratio), samples or math.inf))
+    return {**disk.footprint(cfg, parts), "drafter_params": params, "drafter_params_source": shape.source}
+
+
 def build_plan(cfg: Config, samples: int | None = None, mean_tokens: float | None = None,
                processes: int = 1) -> dict[str, Any]:
     """The whole plan as plain data (what `plan --json` prints)."""
@@ -240,6 +269,12 @@ def build_plan(cfg: Config, samples: int | None = None, mean_tokens: float | Non
                         "often wait for the extractor; lower store.segment_bytes or raise the budget")
 
     disk = disk_space(cfg, budget)
+    disk.update(footprint_for(cfg, len(layer_ids), shape.hidden_size, shape.config, n_samples, mean, tune,
+                              shape.intermediate_size, ratio))
+    if not disk["fits"]:
+        from dflash_stream.observe.disk import refusal
+
+        warnings.append(f"{refusal(cfg, disk)}; `run` refuses to start")
     if disk["headroom_bytes"] < 0:
         warnings.append(f"store.budget {fmt_bytes(budget)} exceeds the free space at {disk['checked']} "
                         f"({fmt_bytes(disk['free_bytes'])})")
@@ -352,6 +387,7 @@ def render_plan(plan: dict[str, Any]) -> str:
     ]
     if "offline_note" in disk:
         out.append(f"  {disk['offline_note']}")
+    out += render_disk(disk)
     mode = "extractors and trainers side by side" if tp["overlapped"] else "one process alternates"
     out += ["", f"time  ({tp['processes']} process(es), {mode})"]
     out.append(f"  {'data':<8}{'-':>10}  {tp['phases']['data']['source']}")
@@ -372,6 +408,21 @@ def render_plan(plan: dict[str, Any]) -> str:
                    f"{fmt_bytes(c['bytes_written'])}: {c['note']}")
     out += [f"\nwarning: {w}" for w in plan["warnings"]]
     return "\n".join(out)
+
+
+def render_disk(disk: dict[str, Any]) -> list[str]:
+    """The whole footprint, part by part, and each filesystem's need against its free space."""
+    params = disk["drafter_params"]
+    size = f"{params / 1e9:.2f} B" if params >= 1e9 else f"{params / 1e6:.1f} M"
+    out = ["", f"disk  (the whole run: {fmt_bytes(disk['total_bytes'])}; drafter {size} parameters "
+           f"[{disk['drafter_params_source']}])"]
+    out += [f"  {name:<12}{fmt_bytes(size):>12}" for name, size in disk["parts"].items()]
+    for mount, fs in disk["by_filesystem"].items():
+        verdict = "fits" if fs["fits"] else "DOES NOT FIT"
+        own = f" + {fmt_bytes(fs['existing_bytes'])} of this run's files" if fs["existing_bytes"] else ""
+        out.append(f"  {mount}: needs {fmt_bytes(fs['need_bytes'])} ({', '.join(fs['parts'])}), "
+                   f"{fmt_bytes(fs['free_bytes'])} free{own}: {verdict}")
+    return out
 
 
 def _fmt_wraps(wraps: float | None) -> str:

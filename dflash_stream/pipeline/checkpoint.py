@@ -18,7 +18,6 @@ from typing import Any
 import torch
 
 COMPLETE = "COMPLETE"
-KEEP = 2
 
 
 def checkpoints_dir(output_dir: str | Path) -> Path:
@@ -72,15 +71,35 @@ def staging_dir(output_dir: str | Path, step: int) -> Path:
 
 
 def begin(output_dir: str | Path, step: int) -> Path:
-    """A fresh staging folder for checkpoint `step` (leftovers of an interrupted attempt are discarded)."""
+    """A fresh staging folder for checkpoint `step`. Leftovers of interrupted attempts (staging folders and
+    folders without COMPLETE, at any step) are discarded first: one checkpoint is written at a time, so at most
+    `train.keep_checkpoints` + 1 exist on disk, as `plan` counts them."""
+    root = checkpoints_dir(output_dir)
+    for path in root.glob("*step-*"):
+        if path.is_dir() and not (path / COMPLETE).is_file():
+            shutil.rmtree(path, ignore_errors=True)
     staging = staging_dir(output_dir, step)
-    shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     return staging
 
 
-def publish(output_dir: str | Path, step: int) -> Path:
-    """Make the staged checkpoint durable: fsync its files, rename it into place, write COMPLETE last."""
+def optimizer_state(optimizer: torch.optim.Optimizer, dtype: str) -> dict[str, Any]:
+    """The optimizer's state_dict with its floating-point moments in `dtype` (train.optimizer_state_dtype).
+    `load_state_dict` casts them back to the parameters' dtype on resume."""
+    state = optimizer.state_dict()
+    if dtype == "float32":
+        return state
+    target = getattr(torch, dtype)
+    state["state"] = {
+        index: {k: v.to(target) if k != "step" and torch.is_floating_point(v) else v for k, v in per_param.items()}
+        for index, per_param in state["state"].items()
+    }
+    return state
+
+
+def publish(output_dir: str | Path, step: int, keep: int = 2) -> Path:
+    """Make the staged checkpoint durable: fsync its files, rename it into place, write COMPLETE last; then
+    keep the newest `keep` complete checkpoints."""
     staging, final = staging_dir(output_dir, step), checkpoints_dir(output_dir) / f"step-{step}"
     for item in staging.iterdir():
         _fsync(item)
@@ -93,16 +112,16 @@ def publish(output_dir: str | Path, step: int) -> Path:
     _fsync(marker)
     _fsync(final)
     _fsync(final.parent)
-    _prune(output_dir)
+    _prune(output_dir, keep)
     return final
 
 
-def _prune(output_dir: str | Path) -> None:
-    """Keep the newest KEEP complete checkpoints; drop older ones and abandoned partial folders below them."""
+def _prune(output_dir: str | Path, keep: int) -> None:
+    """Keep the newest `keep` complete checkpoints; drop older ones and abandoned partial folders below them."""
     complete = complete_checkpoints(output_dir)
-    for old in complete[:-KEEP]:
+    for old in complete[:-keep]:
         shutil.rmtree(old)
-    oldest_kept = _step(complete[-KEEP]) if len(complete) >= KEEP else 0
+    oldest_kept = _step(complete[-keep]) if len(complete) >= keep else 0
     for path in checkpoints_dir(output_dir).glob("*step-*"):
         step = path.name.removeprefix(".").removeprefix("step-").removesuffix(".tmp")
         if step.isdigit() and int(step) < oldest_kept and not (path / COMPLETE).is_file():

@@ -53,6 +53,11 @@ def _first_rank_opens_store(cfg: Config, role: RoleInfo, layer_ids: list[int], h
     if role.global_rank == 0:
         single = role.role == "single"
         try:
+            from dflash_stream.observe.disk import check_run_disk
+            from dflash_stream.target_model import load_target_config
+
+            # The whole footprint (store budget, checkpoints, export, data, metrics) against the free disk.
+            check_run_disk(cfg, load_target_config(cfg.target), layer_ids)
             store = open_store(cfg, layer_ids, hidden_size)
             # A trainer's own claims survive: its checkpoint may record a half-trained segment it resumes.
             trainers = [f"trainer-{i}" for i in range(1 if single else cfg.roles.trainers)]

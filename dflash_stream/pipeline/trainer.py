@@ -391,12 +391,13 @@ class Trainer:
 
             save_checkpoint_drafter(self.drafter, self.spec, staging)
             ckpt.save_torch({
-                "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+                "optimizer": ckpt.optimizer_state(self.optimizer, self.cfg.train.optimizer_state_dtype),
+                "scheduler": self.scheduler.state_dict(),
                 "step": self.steps, "tokens": self.tokens_trained, "samples": self._all_samples_trained,
             }, staging / "trainer_state.pt")
         self._barrier()
         if self.index == 0:
-            ckpt.publish(self.output, self.steps)
+            ckpt.publish(self.output, self.steps, self.cfg.train.keep_checkpoints)
         self._barrier()
         # Durable now: what it records as finished may leave the store.
         path = ckpt.checkpoints_dir(self.output) / f"step-{self.steps}"
