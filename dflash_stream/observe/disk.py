@@ -42,7 +42,7 @@ TRAIN_EVENT_BYTES = 320
 """One `train` metrics line without its per-slot accuracies (~20 B each)."""
 SEGMENT_EVENT_BYTES = 700
 """Metrics lines per segment use: its `extract` and `store` events, its share of `checkpoint` events."""
-SMALL_FILES_BYTES = 16 * 2**20
+SMALL_FILES_BYTES = 2 * 2**20
 """summary.json, config.yaml, eval.json, the report PNGs, summary parts."""
 
 
@@ -82,7 +82,8 @@ def drafter_shape(cfg: Config, target_config: Any | None, hidden_size: int, inte
 
 def drafter_params(shape: DrafterShape) -> int:
     """Trainable parameters of `DFlashDrafter` (fc, hidden_norm, the layers, norm; no embedding or LM head).
-    Without head counts, attention is taken as four hidden x hidden projections, an upper bound for GQA."""
+    Without head counts, attention is taken as four hidden x hidden projections: exact for plain multi-head
+    attention with heads x head_dim = hidden, an upper bound with GQA, low when the queries are wider."""
     d, i = shape.hidden_size, shape.intermediate_size
     if shape.num_attention_heads and shape.num_key_value_heads and shape.head_dim:
         q, kv = shape.num_attention_heads * shape.head_dim, shape.num_key_value_heads * shape.head_dim
