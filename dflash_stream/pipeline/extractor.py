@@ -392,6 +392,7 @@ class Extractor:
             self.report.sample_ids = [i for i in self.report.sample_ids if i not in self._dropped]
             self.report.write(self.cfg.output_dir)
             log.info("after regeneration: %s", self.report.summary())
+            self.report.warn_if_few()
 
 
 def extract_command(args: argparse.Namespace) -> int:
