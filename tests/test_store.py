@@ -270,10 +270,44 @@ def test_full_store_blocks_with_one_line_then_resumes(tmp_path, caplog):
         assert not done.is_set() and c.writers_waiting()
         c.release([c.claim(timeout=1)])
         t.join(timeout=10)
+        w.finish()
     assert done.is_set() and not c.writers_waiting() and w.waited_seconds > 0.3
-    waits = [r.message for r in caplog.records if "waits for the trainer" in r.message]
+    waits = [r.message for r in caplog.records if "held back by the full buffer (" in r.message]
     assert len(waits) == 1 and "bytes needed" in waits[0]
-    assert any("resumes after waiting" in r.message for r in caplog.records)
+    assert any("no longer held back: it waited" in r.message for r in caplog.records)
+
+
+def test_backpressure_logs_state_changes_and_reminders_not_every_wait(monkeypatch):
+    """134 waits make one line when the buffer starts holding the writer back, a reminder every
+    REMIND_SECONDS, and one line once writes flow freely again (a fake clock drives it)."""
+    from dflash_stream.store import backpressure
+
+    clock = [1000.0]
+    monkeypatch.setattr(backpressure.time, "monotonic", lambda: clock[0])
+    lines: list[str] = []
+
+    class Capture(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(record.getMessage())
+
+    logger = logging.getLogger("test.backpressure")
+    logger.addHandler(Capture())
+    logger.setLevel(logging.INFO)
+    pressure = backpressure.BackpressureLog(logger, "extractor-0", remind_seconds=100.0)
+    for i in range(134):  # a wait of 3 s every 5 s; every other write finds room at once
+        pressure.blocked("used 9 of 10 bytes")
+        clock[0] += 3.0
+        pressure.resumed(3.0)
+        clock[0] += 2.0
+        if i % 2:
+            pressure.flowing()  # within QUIET_SECONDS of the last wait: still the same spell
+    assert len(lines) == 1 + 134 * 5 // 100 and "held back by the full buffer (used 9 of 10 bytes)" in lines[0]
+    assert all("still held back by the full buffer" in line for line in lines[1:])
+    clock[0] += backpressure.QUIET_SECONDS
+    pressure.flowing()
+    assert lines[-1] == "writer extractor-0 no longer held back: it waited 402.0 s over 134 write(s) in 730 s"
+    pressure.flowing(final=True)
+    assert len(lines) == 1 + 6 + 1
 
 
 def test_budget_too_small_gives_the_smallest_workable_figure(tmp_path):

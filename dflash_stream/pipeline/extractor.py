@@ -189,6 +189,10 @@ class Extractor:
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.samples_total = len(self.samples) * cfg.extraction_passes
         self.samples_written = self.tokens_written = 0
+        self._samples_held = 0  # already in the store when this process started (a resumed run)
+        self._dropped_uses = 0  # samples whose regenerated response was too short, per pass: not to extract
+        self._regen_bar = None
+        self._generated_tokens, self._generate_seconds = 0, 0.0
         self.backpressure_seconds = self.extract_seconds = 0.0
         self.writer = store.writer(f"extractor-{role.index}")
         self._sink = _SegmentSink(self.writer, int(cfg.store.segment_bytes), self.bytes_per_token,
@@ -221,7 +225,10 @@ class Extractor:
             return False
         self.writer.finish()
         self._finish_report()
+        self._log_progress(self.extract_seconds)  # the final count, also when the last samples dropped out
         self._bar.close()
+        if self._regen_bar is not None:
+            self._regen_bar.close()
         self._done = True
         return True
 
@@ -317,6 +324,7 @@ class Extractor:
                 log.info("pass %d: %d samples already in the store, %d to extract",
                          pass_index, len(self.samples) - len(todo), len(todo))
                 self._advance(len(self.samples) - len(todo))
+                self._samples_held += len(self.samples) - len(todo)
             for window in self._windows(todo):
                 if self.cache is not None:
                     window = self._respond(window)
@@ -349,16 +357,27 @@ class Extractor:
         """Prompts completed with the target's own (cached or newly generated) responses; short ones dropped."""
         gen, max_length = self.cfg.data.generation, self.cfg.data.max_length
         missing = sorted((s for s in prompts if self.cache.get(s.sample_id) is None), key=lambda s: s.num_tokens)
+        if missing and self._regen_bar is None:
+            # Its own bar: generating is usually slower than the forward pass that captures the states.
+            todo = sum(1 for s in self.samples if self.cache.get(s.sample_id) is None)
+            self._regen_bar = progress(total=todo, unit="sample", desc="regenerate")
         for first in range(0, len(missing), gen.batch_size):
             chunk = missing[first : first + gen.batch_size]
             budget = min(gen.max_new_tokens, max_length - chunk[0].num_tokens)
+            started = time.perf_counter()
             responses = generate_responses(self.model, self.tokenizer, [s.input_ids for s in chunk], gen, budget)
+            self._generate_seconds += time.perf_counter() - started
+            self._generated_tokens += sum(len(r) for r in responses)
             self.cache.add({s.sample_id: r for s, r in zip(chunk, responses, strict=True)})
+            self._regen_bar.set_postfix_str(
+                f"{self._generated_tokens / max(self._generate_seconds, 1e-9):,.0f} tok/s generated", refresh=False)
+            self._regen_bar.update(len(chunk))
         complete = []
         for prompt in prompts:
             sample = prompt.with_response(self.cache.get(prompt.sample_id), max_length)
             if int(sample.loss_mask.sum()) < self.cfg.min_supervised_tokens:
                 self._dropped[sample.sample_id] = ("short_response", sample.origin)
+                self._dropped_uses += 1
                 self._advance(1)
             else:
                 complete.append(sample)
@@ -375,14 +394,23 @@ class Extractor:
         """Called by the sink after each segment is published."""
         self.samples_written += len(samples)
         self.tokens_written += sum(len(s.input_ids) for s in samples)
-        elapsed = self.extract_seconds + time.perf_counter() - self._run_started
-        self.metrics.log(
-            "extract", samples=self.samples_written, tokens=self.tokens_written, samples_total=self.samples_total,
-            tok_s=round(self.tokens_written / max(elapsed, 1e-9), 1),
-            backpressure_s=round(self.backpressure_seconds, 3),
-        )
+        self._log_progress()
         self._segments_written += 1
         log_store_event(self.metrics, self.store, segments_written=self._segments_written)
+
+    def _log_progress(self, elapsed: float | None = None) -> None:
+        """An `extract` event. Samples count those a resumed run found in the store; the total leaves out the
+        ones regeneration dropped, so a finished shard reads 100 %. `backpressure_s` is the time writes were
+        held back by the full buffer (summary.json's extractor_backpressure_seconds), `stall_s` how much of
+        it reached the target's forward loop."""
+        if elapsed is None:
+            elapsed = self.extract_seconds + time.perf_counter() - self._run_started
+        self.metrics.log(
+            "extract", samples=self._samples_held + self.samples_written, tokens=self.tokens_written,
+            samples_total=self.samples_total - self._dropped_uses,
+            tok_s=round(self.tokens_written / max(elapsed, 1e-9), 1),
+            backpressure_s=round(self.writer.waited_seconds, 3), stall_s=round(self.backpressure_seconds, 3),
+        )
 
     def _finish_report(self) -> None:
         """With regeneration, the samples whose response was too short leave the report's kept ids."""

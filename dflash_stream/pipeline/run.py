@@ -20,6 +20,7 @@ from dflash_stream.config import Config, load_config
 from dflash_stream.errors import DFlashError
 from dflash_stream.log import get_logger, setup_logging
 from dflash_stream.observe.metrics import MetricsWriter, TrainingTracker, peak_store_bytes
+from dflash_stream.observe.summary import summary_table
 from dflash_stream.pipeline.audit import audit_run, format_audit
 from dflash_stream.pipeline.common import open_store, save_resolved_config, store_layout
 from dflash_stream.pipeline.roles import RoleInfo, assign_role, init_distributed
@@ -115,8 +116,7 @@ def write_summary(cfg: Config, store, started: float) -> dict[str, Any]:
     tmp = output / ".summary.json.tmp"
     tmp.write_text(json.dumps(summary, indent=2))
     os.replace(tmp, output / "summary.json")
-    width = max(len(k) for k in summary)
-    lines = [f"  {k.ljust(width)}  {v if not isinstance(v, dict) else json.dumps(v)}" for k, v in summary.items()]
+    lines = summary_table(summary)
     print("\nrun summary (" + str(output / "summary.json") + ")\n" + "\n".join(lines), flush=True)
     return summary
 

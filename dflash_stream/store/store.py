@@ -16,6 +16,7 @@ from typing import Any
 
 from dflash_stream.log import get_logger
 from dflash_stream.store import budget as bud
+from dflash_stream.store.backpressure import BackpressureLog
 from dflash_stream.store.codecs import CODECS
 from dflash_stream.store.errors import BudgetTooSmall, FingerprintMismatch, StoreError, StoreFull
 from dflash_stream.store.segment import (
@@ -311,6 +312,7 @@ class SegmentWriter:
     def __init__(self, store: Store, writer_id: str) -> None:
         self.store, self.id = store, writer_id
         self.waited_seconds = 0.0
+        self._pressure = BackpressureLog(log, writer_id)
         store._clean_writer(writer_id)
         (store.path / "writers" / f"{writer_id}.finished").unlink(missing_ok=True)
         mine = [n.removesuffix(".json").rpartition(".")[2] for n in store._ls("info") if n.startswith(f"{writer_id}.")]
@@ -354,6 +356,7 @@ class SegmentWriter:
         return info
 
     def finish(self) -> None:
+        self._pressure.flowing(final=True)
         (self.store.path / "writers" / f"{self.id}.finished").touch()
 
     # ---- budget --------------------------------------------------------------------------------------------
@@ -383,15 +386,19 @@ class SegmentWriter:
             if waiting_since is None:
                 waiting_since = time.monotonic()
                 (st.path / "budget" / "waiting" / self.id).touch()
-                log.info("writer %s waits for the trainer to free space: used %s + reserved %s of budget %s bytes, "
-                         "%s bytes needed", self.id, f"{used:,}", f"{reserved:,}", f"{st.budget:,}", f"{need:,}")
+                self._pressure.blocked(f"used {used:,} + reserved {reserved:,} of budget {st.budget:,} bytes, "
+                                       f"{need:,} bytes needed")
+            else:
+                self._pressure.remind()
             time.sleep(delay)
             delay = min(delay * 2, POLL_SECONDS[1])
         if waiting_since is not None:
             waited = time.monotonic() - waiting_since
             self.waited_seconds += waited
             (st.path / "budget" / "waiting" / self.id).unlink(missing_ok=True)
-            log.info("writer %s resumes after waiting %.1f s for space", self.id, waited)
+            self._pressure.resumed(waited)
+        else:
+            self._pressure.flowing()
 
     def _unreserve(self) -> None:
         (self.store.path / "budget" / "reserved" / self.id).unlink(missing_ok=True)
