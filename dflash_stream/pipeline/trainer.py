@@ -144,6 +144,9 @@ class Trainer:
         self._last_checkpoint_step = 0
         self._stop_signal: int | None = None
         self._starved_since: float | None = None
+        self._said_waiting = False
+        self._finished = False
+        self._last_stats: dict[str, Any] | None = None
         self._window = _Window(self.spec.block_size)
 
         self.consumer = self._resume(resume)
@@ -455,6 +458,7 @@ class Trainer:
             while True:
                 if self._max_steps_reached():
                     self._checkpoint("train.max_steps reached")
+                    self._finish_report()
                     return True
                 started = time.perf_counter()
                 flags = self._sync(*self._accumulate())
@@ -467,7 +471,7 @@ class Trainer:
                     self._report()
                 if flags["all_exhausted"]:
                     self._checkpoint("end of data")
-                    self._flush_report()
+                    self._finish_report()
                     return True
                 if flags["stop"]:
                     self._checkpoint(f"stop requested by {self.stopped_by or 'another trainer'}")
@@ -495,7 +499,12 @@ class Trainer:
             return
         if self._starved_since is None:
             self._starved_since = time.perf_counter()
-            log.info("waiting for data: no decoded segment at hand (store segments: %s)", self.store.status()["segments"])
+            self._said_waiting = False
+        # Segments READY in the store, or claimed and being decoded, are data on its way: no wait to report.
+        if not self._said_waiting and self._store_idle():
+            self._said_waiting = True
+            log.info("waiting for data: no segment ready in the store (store segments: %s)",
+                     self.store.status()["segments"])
         started = time.perf_counter()
         self._take_segment(timeout=WAIT_POLL_SECONDS)
         self.data_wait_seconds += time.perf_counter() - started
@@ -507,10 +516,20 @@ class Trainer:
         if self.steps % self.cfg.train.log_every == 0:
             self._flush_report()
 
-    def _flush_report(self) -> None:
+    def _finish_report(self) -> None:
+        """Training is over: the last log line, and the bar and the logged total end at the steps taken."""
+        self._finished = True
+        self.bar.total = self.steps
+        self.bar.refresh()
+        self._flush_report(force=True)
+
+    def _flush_report(self, force: bool = False) -> None:
         stats = self._window.flush()
         if stats is None:
-            return
+            if not (force and self._last_stats):
+                return
+            stats = self._last_stats  # nothing trained since the last line: repeat it with the final total
+        self._last_stats = stats
         from dflash_stream.drafter import expected_acceptance
 
         self.final_loss = stats["loss"]
@@ -520,9 +539,17 @@ class Trainer:
         self.bar.set_postfix(loss=f"{stats['loss']:.3f}", tau=f"{tau:.2f}", tok_s=f"{tok_s:.0f}",
                              wait=f"{self.data_wait_seconds:.0f}s")
         self.metrics.log(
-            "train", step=self.steps, loss=stats["loss"], acc=stats["acc"], tau=tau, lr=lr,
+            "train", step=self.steps, total_steps=self._total_steps(), loss=stats["loss"], acc=stats["acc"], tau=tau,
+            lr=lr,
             tokens=self.tokens_trained, tok_s=tok_s, data_wait_s=self.data_wait_seconds, epoch=stats["epoch"],
         )
+
+    def _total_steps(self) -> int:
+        """The steps this training will take, as known now (the schedule's estimate, train.max_steps)."""
+        if self._finished:
+            return self.steps
+        total = self.schedule.total_steps
+        return min(total, self.cfg.train.max_steps) if self.cfg.train.max_steps else total
 
     # ---------------------------------------------------------------- export
 
