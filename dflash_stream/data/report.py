@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash_stream.log import get_logger
+from dflash_stream.rundir import RunDir, write_atomic
 
 log = get_logger(__name__)
 
@@ -53,12 +54,9 @@ class DataReport:
 
     def write(self, output_dir: str | Path) -> Path:
         """OUTPUT/data/report-<shard>.json, replaced atomically (the audit reads it)."""
-        path = Path(output_dir) / "data" / f"report-{self.shard_index}.json"
+        path = RunDir(output_dir).data_report(self.shard_index)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(self.to_dict()))
-        tmp.replace(path)
-        return path
+        return write_atomic(path, json.dumps(self.to_dict()))
 
     def warn_if_few(self) -> str | None:
         """Log (and return) a warning when this shard keeps very few samples, absolutely or of its rows."""

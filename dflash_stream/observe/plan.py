@@ -16,12 +16,12 @@ from typing import Any
 from dflash_stream.config import Config, ConfigError
 from dflash_stream.observe.units import fmt_bytes, fmt_count, fmt_duration
 
-# Measured on SmolLM2-135M states (DESIGN.md); used until `tune` measures this target.
+# Measured on SmolLM2-135M states (README, Benchmarks); used until `tune` measures this target.
 DESIGN_RATIOS = {"lossless": 1.44, "fp8": 2.4, "none": 1.0}
-DESIGN_RATIO_NOTE = "DESIGN.md measurement on SmolLM2-135M states (run `tune` to measure this target)"
-ENCODE_BYTES_PER_S = 0.9e9  # Blosc zstd-1 + byte shuffle on one core (DESIGN.md)
+DESIGN_RATIO_NOTE = "measured on SmolLM2-135M states, README Benchmarks (run `tune` to measure this target)"
+ENCODE_BYTES_PER_S = 0.9e9  # lossless encode of raw bf16 states, one core (`bench store`)
 # Effective (not peak) throughput of one process when nothing was measured: H100-class bf16 at ~40 % MFU,
-# or two CPU cores (SmolLM2-135M forwards ~700 tokens/s there, DESIGN.md).
+# or two CPU cores (SmolLM2-135M forwards ~700 tokens/s there, `bench extract`).
 ASSUMED_FLOPS = {"gpu": 4.0e14, "cpu": 1.9e11}
 ASSUMED_VOCAB = 151_936
 IDS_MASK_BYTES_PER_TOKEN = 5  # int32 token id + bool loss mask stored beside the states
@@ -301,9 +301,7 @@ def build_plan(cfg: Config, samples: int | None = None, mean_tokens: float | Non
 
 def _time_plan(cfg: Config, shape: TargetShape, layer_ids: list[int], mean: float, tokens: float | None,
                processes: int, tune: dict | None) -> dict[str, Any]:
-    from dflash_stream.pipeline.roles import split_roles
-
-    extractors, trainers = split_roles(cfg, processes)
+    extractors, trainers = cfg.roles.split(processes)
     overlapped = extractors > 0
     extractors, trainers = max(extractors, 1), max(trainers, 1)
     est = estimated_rates(cfg, shape, layer_ids, mean)
@@ -320,7 +318,7 @@ def _time_plan(cfg: Config, shape: TargetShape, layer_ids: list[int], mean: floa
         "extract": {"tok_s_per_process": ext_rate, "processes": extractors, "source": ext_src},
         "train": {"tok_s_per_process": train_rate, "processes": trainers, "source": train_src},
         "store": {"encode_bytes_per_s": ENCODE_BYTES_PER_S,
-                  "source": "DESIGN.md (one core, Blosc zstd-1 + shuffle); runs beside the forward"},
+                  "source": "`bench store` (lossless encode, one core); runs beside the forward"},
         "export": {"source": "seconds: the drafter's weights and config.json, once at the end"},
     }
     written = (tune or {}).get("write_bytes_per_s", {}).get(cfg.store.codec)

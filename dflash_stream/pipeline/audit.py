@@ -1,12 +1,13 @@
 """The exactly-once audit: the data's sample ids against the ids each epoch trained on.
 
-Expected ids come from the extractors' data reports (`OUTPUT/data/report-*.json`, the ids that survived
-filtering). Trained ids come from the trainers' ledgers (`OUTPUT/ledger/trainer-R/<step>.jsonl`), counted only up
-to each trainer's latest complete checkpoint: a ledger file past it belongs to a checkpoint that never finished.
+Expected ids come from the extractors' data reports (the ids that survived filtering). Trained ids come from
+the trainers' ledgers, counted only up to the latest complete checkpoint: a ledger file past it belongs to a
+checkpoint that never finished. Every path is read through `RunDir`.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 from collections import Counter
 from pathlib import Path
@@ -15,29 +16,20 @@ from typing import Any
 import yaml
 
 from dflash_stream.errors import DFlashError
+from dflash_stream.rundir import RunDir, checkpoint_step
 
 
-def _expected_ids(output: Path) -> set[int]:
+def _expected_ids(run: RunDir) -> set[int]:
     ids: set[int] = set()
-    for report in sorted((output / "data").glob("report-*.json")):
+    for report in run.data_reports():
         ids.update(json.loads(report.read_text())["sample_ids"])
     return ids
 
 
-def latest_complete_step(output: Path) -> int:
-    """The step of the newest checkpoint whose COMPLETE marker exists (-1 when none)."""
-    steps = [
-        int(d.name.removeprefix("step-"))
-        for d in (output / "checkpoints").glob("step-*")
-        if (d / "COMPLETE").exists()
-    ]
-    return max(steps, default=-1)
-
-
-def _trained_per_epoch(output: Path, upto_step: int) -> dict[int, Counter[int]]:
+def _trained_per_epoch(run: RunDir, upto_step: int) -> dict[int, Counter[int]]:
     per_epoch: dict[int, Counter[int]] = {}
-    for part in sorted((output / "ledger").glob("trainer-*/*.jsonl")):
-        if int(part.stem) > upto_step:
+    for step, part in run.ledger_files():
+        if step > upto_step:
             continue
         for line in part.read_text().splitlines():
             entry = json.loads(line)
@@ -47,15 +39,14 @@ def _trained_per_epoch(output: Path, upto_step: int) -> dict[int, Counter[int]]:
 
 def audit_run(output_dir: str | Path) -> dict[str, Any]:
     """Counts per epoch; `ok` means every epoch trained every expected id exactly once."""
-    output = Path(output_dir)
-    if not output.is_dir():
-        raise DFlashError(f"no run output at {output}")
-    config_path = output / "config.yaml"
-    train = yaml.safe_load(config_path.read_text())["train"] if config_path.exists() else {}
+    run = RunDir(output_dir)
+    if not run.root.is_dir():
+        raise DFlashError(f"no run output at {run.root}")
+    train = yaml.safe_load(run.config.read_text())["train"] if run.config.exists() else {}
     epochs, max_steps = train.get("epochs", 1), train.get("max_steps")
-    expected = _expected_ids(output)
-    step = latest_complete_step(output)
-    per_epoch = _trained_per_epoch(output, step)
+    expected = _expected_ids(run)
+    step = checkpoint_step(run.latest_checkpoint())
+    per_epoch = _trained_per_epoch(run, step)
     passes = []
     for epoch in range(max(epochs, max(per_epoch, default=-1) + 1)):
         counts = per_epoch.get(epoch, Counter())
@@ -69,13 +60,13 @@ def audit_run(output_dir: str | Path) -> dict[str, Any]:
                 "unexpected": len(counts.keys() - expected),
             }
         )
-    finished = (output / "summary.json").exists()
+    finished = run.summary.exists()
     # A run stopped by train.max_steps trained only part of the data on purpose: it must still train nothing
     # twice and nothing unexpected, but samples it never reached are not missing.
     stopped = max_steps is not None and step >= max_steps
     ok = bool(expected) and all(p["duplicated"] == p["unexpected"] == 0 and (stopped or p["missing"] == 0)
                                 for p in passes)
-    return {"output": str(output), "finished": finished, "passes": passes, "ok": ok,
+    return {"output": str(run.root), "finished": finished, "passes": passes, "ok": ok,
             "stopped_by": f"train.max_steps={max_steps}" if stopped else None, "step": step}
 
 
@@ -92,3 +83,16 @@ def format_audit(report: dict[str, Any]) -> str:
     else:
         verdict = "OK: every sample trained exactly once per epoch" if report["ok"] else "FAILED"
     return "\n".join([head, *rows, verdict])
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    audit = sub.add_parser("audit", help="prove every sample was trained exactly once per epoch")
+    audit.add_argument("output", help="the run's output_dir")
+    audit.add_argument("--json", action="store_true")
+    audit.set_defaults(func=audit_command)
+
+
+def audit_command(args: argparse.Namespace) -> int:
+    report = audit_run(args.output)
+    print(json.dumps(report, indent=2) if args.json else format_audit(report))
+    return 0 if report["ok"] else 1
