@@ -390,7 +390,7 @@ def test_no_waiting_for_data_line_while_a_segment_is_ready_or_decoding(tmp_path,
     try:
         trainer._wait_for_data()  # the segment is READY, or claimed by the reader and decoding: data on its way
         assert not [r for r in caplog.records if "waiting for data" in r.getMessage()]
-        assert len(trainer.uses) == 1
+        assert len(trainer.position) == 1
         trainer._wait_for_data()  # now the store has nothing for us: that is a wait, said once
         trainer._wait_for_data()
     finally:

@@ -174,7 +174,8 @@ def _training(events: list[dict[str, Any]], running: bool) -> dict[str, Any] | N
         return None
     key, lead = min(last.items(), key=lambda kv: kv[1]["rank"])  # reduced loss and accuracies: on every rank
     acc = lead.get("acc") or []
-    total = lead.get("total_steps")
+    done = _latest(events, "train_done").get(key)  # the trainer finished: its steps are the total
+    total = done["total_steps"] if done else lead.get("total_steps")
     rate = _step_rate(events, key, _started(events)[key])
     left = total - lead["step"] if total else None
     return {

@@ -108,7 +108,6 @@ class Trainer:
         self._starved_since: float | None = None
         self._said_waiting = False
         self._finished = False
-        self._last_stats: dict[str, Any] | None = None
         self.stats = StepStats(self.spec.block_size)
         self.stop = StopRequest()
 
@@ -399,19 +398,17 @@ class Trainer:
             self._flush_report()
 
     def _finish_report(self) -> None:
-        """Training is over: the last log line, and the bar and the logged total end at the steps taken."""
+        """Training is over: the last log line, and the bar and the total (`train_done`) end at the steps taken."""
         self._finished = True
         self.bar.total = self.steps
         self.bar.refresh()
-        self._flush_report(force=True)
+        self._flush_report()
+        self.metrics.log("train_done", step=self.steps, total_steps=self.steps)
 
-    def _flush_report(self, force: bool = False) -> None:
+    def _flush_report(self) -> None:
         stats = self.stats.flush()
         if stats is None:
-            if not (force and self._last_stats):
-                return
-            stats = self._last_stats  # nothing trained since the last line: repeat it with the final total
-        self._last_stats = stats
+            return
         from dflash_stream.drafter import expected_acceptance
 
         self.final_loss = stats["loss"]
