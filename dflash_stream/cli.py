@@ -21,6 +21,7 @@ BENCH_MODULES = [
     "dflash_stream.bench.store",
     "dflash_stream.bench.extract",
     "dflash_stream.bench.pipeline",
+    "dflash_stream.bench.memory",
 ]
 
 

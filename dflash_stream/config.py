@@ -36,6 +36,16 @@ class TargetConfig(Section):
     """Only for `plan` without the model at hand: the target's decoder layer count."""
     hidden_size: int | None = Field(None, ge=1)
     """Only for `plan` without the model at hand: the target's hidden size."""
+    vocab_size: int | None = Field(None, ge=1)
+    """Only for `plan` without the model at hand (memory of the LM head and the loss)."""
+    intermediate_size: int | None = Field(None, ge=1)
+    """Only for `plan` without the model at hand (the MLP width, which the drafter also takes by default)."""
+    num_key_value_heads: int | None = Field(None, ge=1)
+    """Only for `plan` without the model at hand (the regeneration KV cache)."""
+    head_dim: int | None = Field(None, ge=1)
+    """Only for `plan` without the model at hand (the regeneration KV cache)."""
+    num_parameters: float | None = Field(None, gt=0)
+    """Only for `plan` without the model at hand: the target's parameter count (its weights' memory)."""
 
     @field_validator("device")
     @classmethod
@@ -124,6 +134,8 @@ class TrainConfig(Section):
     batch_tokens: int = Field(8192, ge=16)
     num_anchors: int = Field(512, ge=1)
     gamma: float = Field(7.0, gt=0)
+    loss_chunk_rows: int | None = Field(2048, ge=1)
+    """Rows of LM-head logits computed at a time in the loss (recomputed in backward); null: all at once."""
     checkpoint_every: int = Field(200, ge=1)
     max_steps: int | None = Field(None, ge=1)
     total_steps: int | None = Field(None, ge=1)
@@ -136,11 +148,22 @@ class TrainConfig(Section):
 
 
 class RolesConfig(Section):
-    trainers: int = Field(1, ge=1)
-    """Processes that train; the other processes of the launch extract."""
+    trainers: int | Literal["auto"] = "auto"
+    """Processes that train; the other processes of the launch extract. auto: the split with the shortest
+    estimated wall time (`plan` shows every split), from OUTPUT/tune.json's rates when present."""
     mode: Literal["auto", "split", "single"] = "auto"
     """single: one process alternates extraction and training; split: extractors and trainers side by side;
     auto: single when the launch has one process."""
+    device_memory: ByteSize | None = None
+    """Memory of each process's device, for `plan` (default 80 GiB, an 80 GB-class GPU) and the start-up check
+    of `run` (default: what the device reports)."""
+
+    @field_validator("trainers", mode="before")
+    @classmethod
+    def _trainers(cls, v: Any) -> Any:
+        if v == "auto" or (isinstance(v, int) and not isinstance(v, bool) and v >= 1):
+            return v
+        raise ValueError("allowed: a number of processes >= 1, or auto")
 
 
 class EvalConfig(Section):
