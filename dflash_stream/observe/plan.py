@@ -20,12 +20,12 @@ from dflash_stream.config import Config, ConfigError
 from dflash_stream.observe.memory import ASSUMED_VOCAB, TargetDims, memory_plan, render_memory, target_dims
 from dflash_stream.observe.units import fmt_bytes, fmt_count, fmt_duration
 
-# Measured on SmolLM2-135M states (DESIGN.md); used until `tune` measures this target.
+# Measured on SmolLM2-135M states (README, Benchmarks); used until `tune` measures this target.
 DESIGN_RATIOS = {"lossless": 1.44, "fp8": 2.4, "none": 1.0}
-DESIGN_RATIO_NOTE = "DESIGN.md measurement on SmolLM2-135M states (run `tune` to measure this target)"
-ENCODE_BYTES_PER_S = 0.9e9  # Blosc zstd-1 + byte shuffle on one core (DESIGN.md)
+DESIGN_RATIO_NOTE = "measured on SmolLM2-135M states, README Benchmarks (run `tune` to measure this target)"
+ENCODE_BYTES_PER_S = 0.9e9  # lossless encode of raw bf16 states, one core (`bench store`)
 # Effective (not peak) throughput of one process when nothing was measured: H100-class bf16 at ~40 % MFU,
-# or two CPU cores (SmolLM2-135M forwards ~700 tokens/s there, DESIGN.md).
+# or two CPU cores (SmolLM2-135M forwards ~700 tokens/s there, `bench extract`).
 ASSUMED_FLOPS = {"gpu": 4.0e14, "cpu": 1.9e11}
 # Effective memory bandwidth of one process, for bandwidth-bound decoding: ~70 % of an H100's 3.35 TB/s HBM3
 # (96 GB-class parts such as H100 NVL and GH200 are faster), or two-channel DDR on a CPU.
@@ -374,10 +374,24 @@ def role_work(cfg: Config, shape: TargetShape, layer_ids: list[int], mean: float
     }
 
 
+def split_alternatives(processes: int, extract_seconds: float, train_seconds: float) -> list[dict[str, Any]]:
+    """Wall time of every split of `processes`. `extract_seconds` and `train_seconds` are the whole run's work
+    of each role on one process (regeneration included); a role's processes share it evenly (data shards for
+    extractors, data parallelism for trainers), and the slower role sets the pace."""
+    return [
+        {"extractors": processes - t, "trainers": t,
+         "wall_seconds": max(extract_seconds / (processes - t), train_seconds / t)}
+        for t in range(1, processes)
+    ]
+
+
+def best_split(alternatives: list[dict[str, Any]]) -> dict[str, Any]:
+    """The fastest split; on a tie the one with fewer trainers (fewer ranks in the trainers' collectives)."""
+    return min(alternatives, key=lambda a: (round(a["wall_seconds"], 6), a["trainers"]))
+
+
 def split_plan(cfg: Config, processes: int, work: dict[str, Any], samples: int | None) -> dict[str, Any]:
     """The roles of a launch of `processes`: the chosen split, and the wall time of every split."""
-    from dflash_stream.pipeline.roles import best_split, split_alternatives
-
     scale = samples or 1  # the best split depends only on the ratio of the roles' work
     ext, train = work["extractor_seconds_per_sample"] * scale, work["trainer_seconds_per_sample"] * scale
     source = f"extract {work['extract_source']}; train {work['train_source']}"
@@ -396,8 +410,7 @@ def split_plan(cfg: Config, processes: int, work: dict[str, Any], samples: int |
            "wall_seconds": chosen["wall_seconds"] if samples else None,
            "alternatives": [{**a, "wall_seconds": a["wall_seconds"] if samples else None} for a in alternatives],
            "best_trainers": best["trainers"], "source": source}
-    if samples is None:
-        out["alternatives_relative"] = [a["wall_seconds"] / best["wall_seconds"] for a in alternatives]
+    out["alternatives_relative"] = [a["wall_seconds"] / best["wall_seconds"] for a in alternatives]
     if chosen is not best and chosen["wall_seconds"] > best["wall_seconds"] * 1.05:
         out["better"] = (f"roles.trainers={configured} takes {_fmt_relative(chosen, best, samples)}; "
                          f"{best['trainers']} trainer(s) would be faster (set roles.trainers: auto)")
@@ -436,7 +449,7 @@ def _time_plan(cfg: Config, shape: TargetShape, layer_ids: list[int], work: dict
                     "source": work["extract_source"]},
         "train": {"tok_s_per_process": work["train_tok_s"], "processes": trainers, "source": work["train_source"]},
         "store": {"encode_bytes_per_s": ENCODE_BYTES_PER_S,
-                  "source": "DESIGN.md (one core, Blosc zstd-1 + shuffle); runs beside the forward"},
+                  "source": "`bench store` (lossless encode, one core); runs beside the forward"},
         "export": {"source": "seconds: the drafter's weights and config.json, once at the end"},
     }
     written = (tune or {}).get("write_bytes_per_s", {}).get(cfg.store.codec)
@@ -547,10 +560,9 @@ def _render_roles(launch: dict[str, Any], roles: dict[str, Any]) -> list[str]:
     if roles["mode"] == "single":
         return out + ["  one process extracts until the buffer is full, trains on it, and repeats"]
     out.append(f"  {'':<4}{'extractors':>10}{'trainers':>10}{'wall':>12}")
-    relative = roles.get("alternatives_relative")
-    for i, alt in enumerate(roles["alternatives"]):
+    for alt, relative in zip(roles["alternatives"], roles["alternatives_relative"], strict=True):
         mark = "->" if alt["trainers"] == roles["trainers"] else ""
-        wall = fmt_duration(alt["wall_seconds"]) if relative is None else f"{relative[i]:.2f}x best"
+        wall = fmt_duration(alt["wall_seconds"]) if alt["wall_seconds"] is not None else f"{relative:.2f}x best"
         best = "  (shortest)" if alt["trainers"] == roles["best_trainers"] else ""
         out.append(f"  {mark:<4}{alt['extractors']:>10}{alt['trainers']:>10}{wall:>12}{best}")
     out.append(f"  rates: {roles['source']}")

@@ -14,6 +14,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
 from dflash_stream.observe.metrics import read_metrics  # noqa: E402
+from dflash_stream.rundir import RunDir  # noqa: E402
 
 GIB = 2**30
 MIB = 2**20
@@ -169,11 +170,11 @@ def build_figures(events: Events) -> dict[str, Figure]:
 
 def write_report(output_dir: str | Path) -> list[Path]:
     """Write OUTPUT/report/<plot>.png for each plot with data; the paths written."""
-    out = Path(output_dir)
-    events = read_metrics(out)
+    run = RunDir(output_dir)
+    events = read_metrics(run.root)
     if not events:
-        raise FileNotFoundError(f"no metrics in {out / 'metrics'}: nothing to plot")
-    folder = out / "report"
+        raise FileNotFoundError(f"no metrics in {run.metrics}: nothing to plot")
+    folder = run.report
     folder.mkdir(exist_ok=True)
     paths = []
     for name, fig in build_figures(events).items():

@@ -106,7 +106,7 @@ def _train(cfg: Config, model, tokenizer, layer_ids: list[int], samples: list[Pr
            states: list[torch.Tensor], steps: int, device: torch.device) -> float:
     """Training tokens/s of the real drafter on these samples (after one warm-up step)."""
     from dflash_stream.drafter import DFlashDrafter, TargetHead, build_spec, dflash_loss
-    from dflash_stream.pipeline.batches import TokenBatcher, collate
+    from dflash_stream.drafter.batches import TokenBatcher, collate
     from dflash_stream.store.segment import StoredSample
     from dflash_stream.target_model import text_config
 
@@ -114,7 +114,7 @@ def _train(cfg: Config, model, tokenizer, layer_ids: list[int], samples: list[Pr
     drafter = DFlashDrafter(spec, attention=cfg.drafter.attention).to(device)
     head = TargetHead.from_model(model)
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=cfg.train.lr)
-    autocast = cfg.train.mixed_precision == "bf16" or (cfg.train.mixed_precision == "auto" and device.type == "cuda")
+    autocast = cfg.train.bf16_autocast(device.type)
     stored = [StoredSample(s.sample_id, torch.from_numpy(s.input_ids.astype(np.int64)),
                            torch.from_numpy(s.loss_mask), h) for s, h in zip(samples, states, strict=True)]
     batcher = TokenBatcher(cfg.train.batch_tokens)
@@ -125,7 +125,8 @@ def _train(cfg: Config, model, tokenizer, layer_ids: list[int], samples: list[Pr
         batch = collate(batcher.next_batch(), device)
         start = time.perf_counter()
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
-            out = dflash_loss(drafter, head, batch, num_anchors=cfg.train.num_anchors, gamma=cfg.train.gamma)
+            out = dflash_loss(drafter, head, batch, num_anchors=cfg.train.num_anchors, gamma=cfg.train.gamma,
+                              chunk_rows=cfg.train.loss_chunk_rows)
         out.loss.backward()
         torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.train.grad_clip)
         optimizer.step()

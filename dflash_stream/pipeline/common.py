@@ -4,17 +4,17 @@ from __future__ import annotations
 
 import hashlib
 import json
-from pathlib import Path
 from typing import Any
 
 from dflash_stream.config import Config, dump_config
+from dflash_stream.rundir import RunDir, write_atomic
 
 
 def save_resolved_config(cfg: Config) -> None:
     """OUTPUT/config.yaml: the config as this run resolved it (read back by `audit`, `status` and `plan`)."""
-    output = Path(cfg.output_dir)
-    output.mkdir(parents=True, exist_ok=True)
-    (output / "config.yaml").write_text(dump_config(cfg))
+    run = RunDir(cfg.output_dir)
+    run.root.mkdir(parents=True, exist_ok=True)
+    write_atomic(run.config, dump_config(cfg))
 
 
 def data_spec_digest(cfg: Config) -> str:

@@ -23,6 +23,9 @@ Published segments are not fsynced: they survive any process crash, and a machin
 checksum error on read.
 """
 
+from importlib import import_module
+from typing import TYPE_CHECKING
+
 from dflash_stream.store.errors import (
     BudgetTooSmall,
     CorruptChunk,
@@ -30,9 +33,24 @@ from dflash_stream.store.errors import (
     StoreError,
     StoreFull,
 )
-from dflash_stream.store.reader import SegmentReader
-from dflash_stream.store.segment import Sample, StoredSample
-from dflash_stream.store.store import Claim, SegmentConsumer, SegmentInfo, SegmentWriter, Store
+
+if TYPE_CHECKING:
+    from dflash_stream.store.reader import SegmentReader
+    from dflash_stream.store.segment import Sample, StoredSample
+    from dflash_stream.store.store import Claim, SegmentConsumer, SegmentInfo, SegmentWriter, Store
+
+# Imported on first use, so that `store status` and other cheap commands do not import torch and zarr.
+_LAZY = {
+    "SegmentReader": "reader", "Sample": "segment", "StoredSample": "segment", "Claim": "store",
+    "SegmentConsumer": "store", "SegmentInfo": "store", "SegmentWriter": "store", "Store": "store",
+}
+
+
+def __getattr__(name: str) -> object:
+    if name in _LAZY:
+        return getattr(import_module(f"dflash_stream.store.{_LAZY[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "BudgetTooSmall", "Claim", "CorruptChunk", "FingerprintMismatch", "Sample", "SegmentConsumer", "SegmentInfo",

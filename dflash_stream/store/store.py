@@ -7,7 +7,6 @@ import json
 import os
 import re
 import shutil
-import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -15,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash_stream.log import get_logger
+from dflash_stream.rundir import write_atomic
 from dflash_stream.store import budget as bud
 from dflash_stream.store.codecs import CODECS
 from dflash_stream.store.errors import BudgetTooSmall, FingerprintMismatch, StoreError, StoreFull
@@ -40,10 +40,7 @@ POLL_SECONDS = (0.02, 0.5)
 
 
 def _write_json(path: Path, obj: Any) -> None:
-    """Write-then-rename, so readers see the old file or the new one, never a torn one."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    tmp.write_text(json.dumps(obj))
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps(obj))
 
 
 def _check_id(kind: str, value: str) -> str:
@@ -407,8 +404,21 @@ class SegmentConsumer:
         store._return_claims(consumer_id, keep)
 
     def claim(self, timeout: float | None = None) -> Claim | None:
-        claim, _ = self._poll(timeout)
-        return claim
+        """A READY segment use, exclusively; blocks until one is ready, the end of data or `timeout`
+        (None in the last two cases: `exhausted()` tells them apart)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        delay = POLL_SECONDS[0]
+        while True:
+            claim = self._try_claim()
+            if claim is not None:
+                return claim
+            if self.exhausted():
+                return None
+            if deadline is not None and time.monotonic() >= deadline:
+                return None
+            pause = delay if deadline is None else min(delay, max(0.0, deadline - time.monotonic()))
+            time.sleep(pause)
+            delay = min(delay * 2, POLL_SECONDS[1])
 
     def read(self, claim: Claim) -> list[StoredSample]:
         return read_segment(claim.segment_id, self.store.path / "segments" / claim.segment_id)
@@ -432,22 +442,6 @@ class SegmentConsumer:
     def writers_waiting(self) -> bool:
         return bool(self.store._ls("budget/waiting"))
 
-    def _poll(self, timeout: float | None) -> tuple[Claim | None, bool]:
-        """(claim, exhausted): blocks until a claim, the end of data (exhausted) or the timeout."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        delay = POLL_SECONDS[0]
-        while True:
-            claim = self._try_claim()
-            if claim is not None:
-                return claim, False
-            if self._exhausted():
-                return None, True
-            if deadline is not None and time.monotonic() >= deadline:
-                return None, False
-            pause = delay if deadline is None else min(delay, max(0.0, deadline - time.monotonic()))
-            time.sleep(pause)
-            delay = min(delay * 2, POLL_SECONDS[1])
-
     def _try_claim(self) -> Claim | None:
         st = self.store
         ready = []
@@ -466,7 +460,9 @@ class SegmentConsumer:
             return Claim(info.segment_id, info.pass_index, use, info.sample_ids, info.num_tokens, st.reuse, info.bytes)
         return None
 
-    def _exhausted(self) -> bool:
+    def exhausted(self) -> bool:
+        """True once nothing is left to claim, now or later: the writers are done, nothing is READY, and no
+        claim will come back to READY for another use."""
         st = self.store
         if not st.end_of_data:
             return False

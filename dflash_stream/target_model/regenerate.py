@@ -15,16 +15,18 @@ import numpy as np
 import torch
 
 from dflash_stream.config import GenerationConfig
+from dflash_stream.rundir import RunDir
+from dflash_stream.target_model.loading import stop_token_ids
 
 
 class ResponseCache:
     def __init__(self, output_dir: str | Path, digest: str, shard_index: int) -> None:
-        folder = Path(output_dir) / "data"
-        folder.mkdir(parents=True, exist_ok=True)
-        self.path = folder / f"responses-{digest}-{shard_index}.jsonl"
+        run = RunDir(output_dir)
+        run.data.mkdir(parents=True, exist_ok=True)
+        self.path = run.responses(digest, shard_index)
         self.responses: dict[int, list[int]] = {}
         # Every shard's file: the extractor count may differ from the run that generated them.
-        for path in sorted(folder.glob(f"responses-{digest}-*.jsonl")):
+        for path in sorted(run.data.glob(run.responses(digest, "*").name)):
             for line in path.read_text().splitlines():
                 try:
                     record = json.loads(line)
@@ -42,13 +44,6 @@ class ResponseCache:
             f.flush()
             os.fsync(f.fileno())
         self.responses.update(responses)
-
-
-def _eos_ids(model, tokenizer) -> set[int]:
-    eos = model.generation_config.eos_token_id
-    if eos is None:
-        eos = tokenizer.eos_token_id
-    return set(eos) if isinstance(eos, list) else {eos}
 
 
 @torch.inference_mode()
@@ -69,7 +64,7 @@ def generate_responses(model, tokenizer, prompts: list[np.ndarray], gen: Generat
         input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=max_new_tokens,
         pad_token_id=tokenizer.pad_token_id, **sampling,
     )[:, width:].tolist()
-    eos = _eos_ids(model, tokenizer)
+    eos = stop_token_ids(model, tokenizer)
     responses = []
     for tokens in out:
         end = next((i + 1 for i, t in enumerate(tokens) if t in eos), len(tokens))
