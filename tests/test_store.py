@@ -27,6 +27,7 @@ from dflash_stream.store import (
     StoreFull,
     codecs,
     segment,
+    sizes,
 )
 from dflash_stream.store.budget import SLACK_BLOCKS, du
 
@@ -117,7 +118,7 @@ def test_flipped_byte_names_segment_and_chunk(tmp_path, small_chunks):
         store.consumer("c", keep=[claim.segment_id]).read(claim)
 
 
-@pytest.mark.parametrize("codec", codecs.CODECS)
+@pytest.mark.parametrize("codec", codecs.names())
 def test_segments_are_zarr_v3_that_zarr_itself_decodes(tmp_path, small_chunks, codec):
     """The store codes chunks itself; zarr's own pipeline (zstd, crc32c check) must read the same arrays."""
     import zarr
@@ -126,9 +127,9 @@ def test_segments_are_zarr_v3_that_zarr_itself_decodes(tmp_path, small_chunks, c
     store, claim, got = round_trip(tmp_path, codec, samples)
     group = zarr.open_group(store.path / "segments" / claim.segment_id, mode="r", zarr_format=3)
     assert group.attrs["format"] == segment.FORMAT and group.attrs["codec"] == codec
-    arrays = {name: group[name][...] for name in codecs.state_arrays(codec)}
+    arrays = {name: group[name][...] for name in codecs.get(codec).arrays()}
     assert max(group[name].nchunks for name in arrays) > 1  # several chunks, the last one padded
-    states = codecs.decode_states(codec, arrays, len(LAYERS))
+    states = codecs.get(codec).decode(arrays, len(LAYERS))
     assert torch.equal(states.view(torch.int16), torch.cat([s.hidden_states for s in got]).view(torch.int16))
     assert group["sample_ids"][...].tolist() == [11, 5, 42]
     assert group["input_ids"][...].tolist() == np.concatenate([s.input_ids for s in samples]).tolist()
@@ -149,7 +150,6 @@ def test_damaged_compressed_chunk_is_named(tmp_path, small_chunks):
 
 @pytest.mark.parametrize(("layers", "hidden"), [([0, 2], 12), ([4], 7), ([1, 2, 3], 96)])
 def test_lossless_is_exact_for_any_width(tmp_path, small_chunks, layers, hidden):
-    """Widths that 32 does not divide get smaller channel groups (8, 1, and 32 again here)."""
     g = torch.Generator().manual_seed(1)
     width = len(layers) * hidden
     samples = [Sample(i, np.arange(n, dtype=np.int32), np.ones(n, dtype=bool),
@@ -181,13 +181,13 @@ def test_fp8_removes_channel_offsets_and_keeps_peaks_exact(tmp_path):
                        massive.view(torch.int16))
 
 
-@pytest.mark.parametrize("codec", codecs.CODECS)
+@pytest.mark.parametrize("codec", codecs.names())
 def test_disk_bound_holds_for_a_largest_segment(tmp_path, codec):
     """`disk_bound` is what the smallest workable budget rests on: a largest segment never takes more."""
     store = open_store(tmp_path / codec, codec)
     tokens = MAX_RAW // (WIDTH * 2 + 5)
     info = store.writer("w").write(make_samples([1], [tokens]))
-    assert info.bytes <= segment.disk_bound(MAX_RAW, tokens, WIDTH, store.block, codec)
+    assert info.bytes <= sizes.disk_bound(MAX_RAW, tokens, WIDTH, store.block, codec)
 
 
 @pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan"), -float("nan")])

@@ -23,6 +23,8 @@ Published segments are not fsynced: they survive any process crash, and a machin
 checksum error on read.
 """
 
+from importlib import import_module
+
 from dflash_stream.store.errors import (
     BudgetTooSmall,
     CorruptChunk,
@@ -30,9 +32,20 @@ from dflash_stream.store.errors import (
     StoreError,
     StoreFull,
 )
-from dflash_stream.store.reader import SegmentReader
-from dflash_stream.store.segment import Sample, StoredSample
-from dflash_stream.store.store import Claim, SegmentConsumer, SegmentInfo, SegmentWriter, Store
+
+# The classes below load their module (and torch, zarr) on first use, so that `config` and `plan` can use
+# `store.codecs` and `store.sizes` without them.
+_LAZY = {
+    "SegmentReader": "reader", "Sample": "segment", "StoredSample": "segment", "Claim": "store",
+    "SegmentConsumer": "store", "SegmentInfo": "store", "SegmentWriter": "store", "Store": "store",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(import_module(f"dflash_stream.store.{_LAZY[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "BudgetTooSmall", "Claim", "CorruptChunk", "FingerprintMismatch", "Sample", "SegmentConsumer", "SegmentInfo",

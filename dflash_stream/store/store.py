@@ -16,25 +16,21 @@ from typing import Any
 
 from dflash_stream.log import get_logger
 from dflash_stream.store import budget as bud
-from dflash_stream.store.codecs import CODECS
+from dflash_stream.store import codecs, sizes
 from dflash_stream.store.errors import BudgetTooSmall, FingerprintMismatch, StoreError, StoreFull
 from dflash_stream.store.segment import (
     FORMAT,
     Sample,
     StoredSample,
     check_samples,
-    disk_bound,
     encode_segment,
     files_bound,
-    raw_bytes,
     read_segment,
     write_files,
 )
 
 log = get_logger("store")
 DIRS = ("segments", "tmp", "info", "ready", "claimed", "done", "writers", "budget", "budget/reserved", "budget/waiting")
-BASE_BLOCKS = 2 * len(DIRS) + 8
-"""Blocks the empty store takes: its directories, store.json, the lock and a few markers."""
 _ID = re.compile(r"^[A-Za-z0-9_-]+$")
 POLL_SECONDS = (0.02, 0.5)
 
@@ -84,11 +80,6 @@ class SegmentInfo:
     """Allocated bytes on disk, as `du` counts them."""
 
 
-def min_budget(max_segment_raw_bytes: int, width: int, block: int, codec: str) -> int:
-    tokens = max_segment_raw_bytes // (2 * width + 5) + 1
-    return disk_bound(max_segment_raw_bytes, tokens, width, block, codec) + (BASE_BLOCKS + bud.SLACK_BLOCKS + 4) * block
-
-
 class Store:
     """Open with `Store.open`; see the package docstring for the layout and the lifecycle."""
 
@@ -109,16 +100,15 @@ class Store:
     def open(cls, path: str | os.PathLike, *, budget: int, codec: str, reuse: int, fingerprint: dict,
              max_segment_raw_bytes: int, create: bool = True) -> Store:
         path = Path(path)
-        if codec not in CODECS:
-            raise StoreError(f"unknown store codec '{codec}'; allowed: {', '.join(CODECS)}")
+        if codec not in codecs.REGISTRY:
+            raise StoreError(f"unknown store codec '{codec}'; allowed: {', '.join(codecs.names())}")
         if reuse < 1:
             raise StoreError(f"store reuse must be >= 1, got {reuse}")
         try:
             width = len(fingerprint["layer_ids"]) * int(fingerprint["hidden_size"])
         except (KeyError, TypeError, ValueError):
             raise StoreError("the store fingerprint must give layer_ids and hidden_size (the shape of the states)") from None
-        existing = next(p for p in (path, *path.parents) if p.exists())
-        smallest = min_budget(max_segment_raw_bytes, width, bud.block_size(existing), codec)
+        smallest = sizes.smallest_budget(path, max_segment_raw_bytes, width, codec)
         if budget < smallest:
             raise BudgetTooSmall(
                 f"store budget {budget:,} bytes cannot hold one worst-case segment of {max_segment_raw_bytes:,} raw "
@@ -320,7 +310,7 @@ class SegmentWriter:
     def write(self, samples: list[Sample], pass_index: int = 0, block: bool = True) -> SegmentInfo:
         st = self.store
         tokens = check_samples(samples, st.width)
-        raw = raw_bytes(tokens, len(samples), st.width)
+        raw = sizes.raw_bytes(tokens, len(samples), st.width)
         seg = f"{self.id}.{self._seq:06d}"
         record = {"segment_id": seg, "pass_index": pass_index, "sample_ids": [int(s.sample_id) for s in samples],
                   "num_tokens": tokens, "raw_bytes": raw}
