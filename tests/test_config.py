@@ -46,7 +46,7 @@ def test_overrides_reach_nested_keys_and_list_items(minimal):
 @pytest.mark.parametrize(
     "override, words",
     [
-        (["--store.codec=zip"], ["store.codec", "'lossless', 'fp8' or 'none'", "zip"]),
+        (["--store.codec=zip"], ["store.codec", "allowed: lossless, fp8, none", "zip"]),
         (["--store.budgett=1GB"], ["store.budgett", "allowed here", "budget"]),
         (["--store.budget=lots"], ["store.budget", "150GiB"]),
         (["--train.lr=-1"], ["train.lr", "greater than 0"]),

@@ -93,6 +93,12 @@ class Codec:
     """On-disk size of raw bf16 states over stored size, measured on SmolLM2-135M states: what `plan`
     assumes until `tune` measures this target."""
     exact: bool
+    design_encode_bytes_per_core_s: float
+    design_decode_bytes_per_core_s: float
+    """Raw bytes per CPU-second (all threads) to encode + checksum + write a segment, and to read + check +
+    decode one: `bench store --json` `per_core` (1 thread) on SmolLM2 states, what `plan` sizes the store's
+    cores by until `tune` measures this target."""
+    design_rate_note = "bench store per-core figure, SmolLM2 states on a 2-core AMD EPYC VM, measured under load"
 
     def specs(self, tokens: int, width: int, num_layers: int) -> dict[str, ArraySpec]:
         raise NotImplementedError
@@ -143,6 +149,7 @@ def _as_bf16(bits: np.ndarray) -> torch.Tensor:
 
 class Lossless(Codec):
     name, design_ratio, exact = "lossless", 1.44, True
+    design_encode_bytes_per_core_s, design_decode_bytes_per_core_s = 0.5e9, 1.0e9
 
     def specs(self, tokens: int, width: int, num_layers: int) -> dict[str, ArraySpec]:
         rows = plane_rows(tokens, width)
@@ -176,6 +183,7 @@ def _fp8_values() -> np.ndarray:
 
 class Fp8(Codec):
     name, design_ratio, exact = "fp8", 2.4, False
+    design_encode_bytes_per_core_s, design_decode_bytes_per_core_s = 0.18e9, 0.32e9
     VALUES = _fp8_values()
 
     def specs(self, tokens: int, width: int, num_layers: int) -> dict[str, ArraySpec]:
@@ -225,6 +233,7 @@ class Fp8(Codec):
 
 class Raw(Codec):
     name, design_ratio, exact = "none", 1.0, True
+    design_encode_bytes_per_core_s, design_decode_bytes_per_core_s = 1.5e9, 3.0e9
 
     def specs(self, tokens: int, width: int, num_layers: int) -> dict[str, ArraySpec]:
         return {"hidden": ArraySpec((tokens, width), plane_rows(tokens, 2 * width), "uint16", compress=False)}
