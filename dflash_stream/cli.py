@@ -1,4 +1,12 @@
-"""The `dflash-stream` command. Each part registers its own subcommands; heavy imports happen inside them."""
+"""The `dflash-stream` command.
+
+Each part registers its own subcommands. Only the module of the command being run is imported, so cheap
+commands (`status`, `store status`, `audit`, `plan`) start without importing torch.
+
+Exit codes: 0 success; 1 a check that ran and failed (audit, eval output differs, store verify); 2 a problem
+the user can fix, printed as one line (`DFlashError`: config, paths, store mismatch); 130 interrupted (Ctrl-C);
+143 stopped by SIGTERM after a checkpoint (rerun to resume). Only this module prints errors.
+"""
 
 from __future__ import annotations
 
@@ -8,36 +16,55 @@ import sys
 
 from dflash_stream.errors import DFlashError
 
-# Modules that define `register(subparsers)` (top-level commands) and/or `register_bench(subparsers)`.
-COMMAND_MODULES = [
-    "dflash_stream.store.commands",
-    "dflash_stream.pipeline.extractor",
-    "dflash_stream.pipeline.trainer",
-    "dflash_stream.drafter.commands",
-    "dflash_stream.pipeline.run",
-    "dflash_stream.observe.commands",
-]
-BENCH_MODULES = [
-    "dflash_stream.bench.store",
-    "dflash_stream.bench.extract",
-    "dflash_stream.bench.pipeline",
-]
+# command -> the module whose `register(subparsers)` defines it (a module may define several commands)
+COMMANDS = {
+    "run": "dflash_stream.pipeline.run",
+    "extract": "dflash_stream.pipeline.extractor",
+    "train": "dflash_stream.pipeline.trainer",
+    "audit": "dflash_stream.pipeline.audit",
+    "export": "dflash_stream.drafter.commands",
+    "eval": "dflash_stream.drafter.commands",
+    "plan": "dflash_stream.observe.commands",
+    "tune": "dflash_stream.observe.commands",
+    "status": "dflash_stream.observe.commands",
+    "report": "dflash_stream.observe.commands",
+    "store": "dflash_stream.store.commands",
+}
+# bench name -> the module whose `register_bench(subparsers)` defines it
+BENCHES = {
+    "store": "dflash_stream.bench.store",
+    "extract": "dflash_stream.bench.extract",
+    "pipeline": "dflash_stream.bench.pipeline",
+}
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="dflash-stream", description=__doc__)
+def _requested(argv: list[str], names: dict[str, str]) -> list[str]:
+    """The module for the first positional word of argv, or every module (for --help or a typo)."""
+    word = next((a for a in argv if not a.startswith("-")), None)
+    return [names[word]] if word in names else list(dict.fromkeys(names.values()))
+
+
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(prog="dflash-stream", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for name in COMMAND_MODULES:
-        importlib.import_module(name).register(sub)
+    modules = _requested(argv, COMMANDS | {"bench": ""})
+    for name in modules:
+        if name:
+            importlib.import_module(name).register(sub)
     bench = sub.add_parser("bench", help="benchmarks that print figures beside their baselines")
     bench_sub = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")
-    for name in BENCH_MODULES:
-        importlib.import_module(name).register_bench(bench_sub)
+    if "" in modules:
+        rest = argv[argv.index("bench") + 1:] if "bench" in argv else []
+        for name in _requested(rest, BENCHES):
+            importlib.import_module(name).register_bench(bench_sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser(argv)
     args, extra = parser.parse_known_args(argv)
     # Only commands that take a config accept `--section.key=value` overrides.
     if extra and not hasattr(args, "overrides"):

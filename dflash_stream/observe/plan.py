@@ -16,10 +16,10 @@ from typing import Any
 from dflash_stream.config import Config, ConfigError
 from dflash_stream.observe.units import fmt_bytes, fmt_count, fmt_duration
 
-# The codec's design ratio (store/codecs.py) is used until `tune` measures this target.
-DESIGN_RATIO_NOTE = "measured on SmolLM2-135M states (run `tune` to measure this target)"
+# The codec's design ratio (store/codecs.py, measured on SmolLM2-135M states) until `tune` measures this target.
+DESIGN_RATIO_NOTE = "measured on SmolLM2-135M states, README Benchmarks (run `tune` to measure this target)"
 # Effective (not peak) throughput of one process when nothing was measured: H100-class bf16 at ~40 % MFU,
-# or two CPU cores (SmolLM2-135M forwards ~700 tokens/s there, DESIGN.md).
+# or two CPU cores (SmolLM2-135M forwards ~700 tokens/s there, `bench extract`).
 ASSUMED_FLOPS = {"gpu": 4.0e14, "cpu": 1.9e11}
 ASSUMED_VOCAB = 151_936
 THIN_MARGIN = 0.2  # warn when the disk left after the budget is under this fraction of the budget
@@ -289,7 +289,7 @@ def _time_plan(cfg: Config, shape: TargetShape, layer_ids: list[int], mean: floa
         "extract": {"tok_s_per_process": ext_rate, "processes": extractors, "source": ext_src},
         "train": {"tok_s_per_process": train_rate, "processes": trainers, "source": train_src},
         "store": {"encode_bytes_per_s": codecs.get(cfg.store.codec).design_encode_bytes_per_core_s,
-                  "source": "bench store, one core; runs beside the forward"},
+                  "source": "`bench store` (encode, one core); runs beside the forward"},
         "export": {"source": "seconds: the drafter's weights and config.json, once at the end"},
     }
     written = (tune or {}).get("write_bytes_per_s", {}).get(cfg.store.codec)

@@ -115,7 +115,7 @@ def _train(cfg: Config, model, tokenizer, layer_ids: list[int], samples: list[Pr
     drafter = DFlashDrafter(spec, attention=cfg.drafter.attention).to(device)
     head = TargetHead.from_model(model)
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=cfg.train.lr)
-    autocast = cfg.train.mixed_precision == "bf16" or (cfg.train.mixed_precision == "auto" and device.type == "cuda")
+    autocast = cfg.train.bf16_autocast(device.type)
     stored = [StoredSample(s.sample_id, torch.from_numpy(s.input_ids.astype(np.int64)),
                            torch.from_numpy(s.loss_mask), h) for s, h in zip(samples, states, strict=True)]
     batcher = TokenBatcher(cfg.train.batch_tokens)

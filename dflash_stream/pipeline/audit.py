@@ -7,6 +7,7 @@ to each trainer's latest complete checkpoint: a ledger file past it belongs to a
 
 from __future__ import annotations
 
+import argparse
 import json
 from collections import Counter
 from pathlib import Path
@@ -78,3 +79,16 @@ def format_audit(report: dict[str, Any]) -> str:
             f"duplicated {p['duplicated']}, unexpected {p['unexpected']}" for p in report["passes"]]
     verdict = "OK: every sample trained exactly once per epoch" if report["ok"] else "FAILED"
     return "\n".join([head, *rows, verdict])
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    audit = sub.add_parser("audit", help="prove every sample was trained exactly once per epoch")
+    audit.add_argument("output", help="the run's output_dir")
+    audit.add_argument("--json", action="store_true")
+    audit.set_defaults(func=audit_command)
+
+
+def audit_command(args: argparse.Namespace) -> int:
+    report = audit_run(args.output)
+    print(json.dumps(report, indent=2) if args.json else format_audit(report))
+    return 0 if report["ok"] else 1

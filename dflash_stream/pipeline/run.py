@@ -1,4 +1,4 @@
-"""`dflash-stream run`: one launch that extracts and trains at once, and `dflash-stream audit`.
+"""`dflash-stream run`: one launch that extracts and trains at once.
 
 Under `accelerate launch` the ranks split into extractors and trainers (see roles.py); with one process the run
 alternates: extract until the buffer is full, train on what is ready, release, repeat.
@@ -20,9 +20,9 @@ from dflash_stream.config import Config, load_config
 from dflash_stream.errors import DFlashError
 from dflash_stream.log import get_logger, setup_logging
 from dflash_stream.observe.metrics import MetricsWriter, TrainingTracker, peak_store_bytes
-from dflash_stream.pipeline.audit import audit_run, format_audit
 from dflash_stream.pipeline.common import open_store, save_resolved_config, store_layout
 from dflash_stream.pipeline.roles import RoleInfo, assign_role, init_distributed
+from dflash_stream.target_model import resolve_device
 
 log = get_logger("run")
 
@@ -33,17 +33,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     run = sub.add_parser("run", help="extract and train in one launch (the main job)")
     run.add_argument("--config", required=True, help="run config YAML")
     run.set_defaults(func=run_command, overrides=[])
-
-    audit = sub.add_parser("audit", help="prove every sample was trained exactly once per epoch")
-    audit.add_argument("output", help="the run's output_dir")
-    audit.add_argument("--json", action="store_true")
-    audit.set_defaults(func=audit_command)
-
-
-def audit_command(args: argparse.Namespace) -> int:
-    report = audit_run(args.output)
-    print(json.dumps(report, indent=2) if args.json else format_audit(report))
-    return 0 if report["ok"] else 1
 
 
 def _first_rank_opens_store(cfg: Config, role: RoleInfo, layer_ids: list[int], hidden_size: int):
@@ -228,4 +217,4 @@ def run_command(args: argparse.Namespace) -> int:
 
 def _device(cfg: Config) -> torch.device:
     """`target.device`, or the device accelerate gives this rank (cuda:LOCAL_RANK, or cpu)."""
-    return init_distributed() if cfg.target.device == "auto" else torch.device(cfg.target.device)
+    return init_distributed() if cfg.target.device == "auto" else resolve_device(cfg.target)

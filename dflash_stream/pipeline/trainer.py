@@ -90,11 +90,6 @@ def claim_from_record(record: dict[str, Any]) -> Claim:
     return Claim(**{**record, "sample_ids": tuple(record["sample_ids"])})
 
 
-def use_bf16(cfg: Config, device: torch.device) -> bool:
-    """train.mixed_precision: `auto` is bf16 autocast on CUDA and full precision elsewhere."""
-    return cfg.train.mixed_precision == "bf16" or (cfg.train.mixed_precision == "auto" and device.type == "cuda")
-
-
 class Trainer:
     """Trains the drafter on the store's segments; `run()` may be called repeatedly (single-process mode)."""
 
@@ -117,7 +112,7 @@ class Trainer:
             layer_ids = resolve_layer_ids(target_config.num_hidden_layers, cfg.target)
             self.spec = build_spec(cfg, target_config, layer_ids)
         self.drafter = DFlashDrafter(self.spec, attention=cfg.drafter.attention).to(device)
-        self.bf16 = use_bf16(cfg, device)
+        self.bf16 = cfg.train.bf16_autocast(device.type)
         self.head = load_target_head(cfg.target, device, torch.bfloat16 if self.bf16 else torch.float32)
 
         decay = [p for p in self.drafter.parameters() if p.ndim >= 2]

@@ -24,6 +24,7 @@ checksum error on read.
 """
 
 from importlib import import_module
+from typing import TYPE_CHECKING
 
 from dflash_stream.store.errors import (
     BudgetTooSmall,
@@ -33,15 +34,19 @@ from dflash_stream.store.errors import (
     StoreFull,
 )
 
-# The classes below load their module (and torch, zarr) on first use, so that `config` and `plan` can use
-# `store.codecs` and `store.sizes` without them.
+if TYPE_CHECKING:
+    from dflash_stream.store.reader import SegmentReader
+    from dflash_stream.store.segment import Sample, StoredSample
+    from dflash_stream.store.store import Claim, SegmentConsumer, SegmentInfo, SegmentWriter, Store
+
+# Imported on first use, so that `store status` and other cheap commands do not import torch and zarr.
 _LAZY = {
     "SegmentReader": "reader", "Sample": "segment", "StoredSample": "segment", "Claim": "store",
     "SegmentConsumer": "store", "SegmentInfo": "store", "SegmentWriter": "store", "Store": "store",
 }
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> object:
     if name in _LAZY:
         return getattr(import_module(f"dflash_stream.store.{_LAZY[name]}"), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

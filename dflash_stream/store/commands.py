@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
-
-from dflash_stream.store.errors import StoreError
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -23,18 +20,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     dump.set_defaults(func=_dump)
 
 
-def _fail(err: StoreError) -> int:
-    print(f"dflash-stream: {err}", file=sys.stderr)
-    return 1
-
-
 def _status(args: argparse.Namespace) -> int:
     from dflash_stream.store.store import Store
 
-    try:
-        status = Store.attach(args.path).status()
-    except StoreError as err:
-        return _fail(err)
+    status = Store.attach(args.path).status()
     if args.json:
         print(json.dumps(status))
         return 0
@@ -57,13 +46,10 @@ def _dump(args: argparse.Namespace) -> int:
     from dflash_stream.store.segment import read_segment
     from dflash_stream.store.store import Store
 
-    try:
-        store = Store.attach(args.path)
-        segment_id = store._find_sample(args.sample_id)
-        sample = next(s for s in read_segment(segment_id, store.path / "segments" / segment_id)
-                      if s.sample_id == args.sample_id)
-    except StoreError as err:
-        return _fail(err)
+    store = Store.attach(args.path)
+    segment_id = store._find_sample(args.sample_id)
+    sample = next(s for s in read_segment(segment_id, store.path / "segments" / segment_id)
+                  if s.sample_id == args.sample_id)
     save_file({"input_ids": sample.input_ids, "loss_mask": sample.loss_mask,
                "hidden_states": sample.hidden_states.contiguous()}, args.out,
               metadata={"sample_id": str(args.sample_id), "segment": segment_id})

@@ -7,10 +7,11 @@ from dflash_stream.target_model.loading import (
     model_location,
     resolve_device,
     resolve_dtype,
+    stop_token_ids,
     text_config,
 )
 
 __all__ = [
     "dflash_layer_ids", "load_target", "load_target_config", "model_location", "resolve_device",
-    "resolve_dtype", "resolve_layer_ids", "text_config",
+    "resolve_dtype", "resolve_layer_ids", "stop_token_ids", "text_config",
 ]

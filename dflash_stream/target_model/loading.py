@@ -86,3 +86,12 @@ def load_target(target: TargetConfig, device: torch.device) -> tuple[PreTrainedM
 def text_config(model: PreTrainedModel) -> PretrainedConfig:
     """The language model's config (multimodal targets nest it)."""
     return model.config.get_text_config()
+
+
+def stop_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> set[int]:
+    """Tokens that end a generated response: the generation config's end-of-sequence ids and the tokenizer's."""
+    ids = model.generation_config.eos_token_id
+    ids = set(ids if isinstance(ids, list) else [] if ids is None else [ids])
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from dflash_stream.config import GenerationConfig
+from dflash_stream.target_model.loading import stop_token_ids
 
 
 class ResponseCache:
@@ -44,13 +45,6 @@ class ResponseCache:
         self.responses.update(responses)
 
 
-def _eos_ids(model, tokenizer) -> set[int]:
-    eos = model.generation_config.eos_token_id
-    if eos is None:
-        eos = tokenizer.eos_token_id
-    return set(eos) if isinstance(eos, list) else {eos}
-
-
 @torch.inference_mode()
 def generate_responses(model, tokenizer, prompts: list[np.ndarray], gen: GenerationConfig,
                        max_new_tokens: int) -> list[list[int]]:
@@ -69,7 +63,7 @@ def generate_responses(model, tokenizer, prompts: list[np.ndarray], gen: Generat
         input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=max_new_tokens,
         pad_token_id=tokenizer.pad_token_id, **sampling,
     )[:, width:].tolist()
-    eos = _eos_ids(model, tokenizer)
+    eos = stop_token_ids(model, tokenizer)
     responses = []
     for tokens in out:
         end = next((i + 1 for i, t in enumerate(tokens) if t in eos), len(tokens))
