@@ -369,3 +369,53 @@ def test_status_and_dump_commands(tmp_path, capsys):
     assert dumped["input_ids"].tolist() == samples[1].input_ids.tolist()
     assert main(["store", "dump", str(store.path), "--sample-id", "99", "--out", str(out)]) == 2  # a user-fixable error (README: exit codes)
     assert "sample 99 is not in the store" in capsys.readouterr().err
+
+
+def test_claim_publish_release_cost_the_same_after_many_segments(tmp_path, monkeypatch):
+    """Records and release markers accumulate (the audit reads them), but one publish, claim and release lists
+    and reads the same number of directory entries and records after 20 segments as after 150. Counted, not
+    timed: every entry any listing returns, and every record read."""
+    import contextlib
+
+    counts = {"entries": 0, "records": 0}
+    real_listdir, real_scandir, real_read = os.listdir, os.scandir, Path.read_text
+
+    def listdir(path):
+        out = real_listdir(path)
+        counts["entries"] += len(out)
+        return out
+
+    def scandir(path):
+        with real_scandir(path) as it:
+            entries = list(it)
+        counts["entries"] += len(entries)
+        return contextlib.nullcontext(entries)
+
+    def read_text(self, *args, **kwargs):
+        counts["records"] += self.parent.name == "info"
+        return real_read(self, *args, **kwargs)
+
+    store = open_store(tmp_path / "s")
+    writer = store.writer("w")
+    consumer = Store.attach(store.path).consumer("c")  # as in another process: no shared record cache
+    samples = make_samples([0], [2])
+
+    def cycle() -> dict[str, int]:
+        counts.update(entries=0, records=0)
+        writer.write(samples)
+        consumer.release([consumer.claim(timeout=1)])
+        return dict(counts)
+
+    def measured(n: int) -> dict[str, int]:
+        while len(list((store.path / "info").iterdir())) < n:
+            cycle()
+        with monkeypatch.context() as m:
+            m.setattr(os, "listdir", listdir)
+            m.setattr(os, "scandir", scandir)
+            m.setattr(Path, "read_text", read_text)
+            return cycle()
+
+    early, late = measured(20), measured(150)
+    assert late == early, (early, late)
+    assert early["records"] <= 1  # the consumer reads the new segment's record once
+    assert len(list((store.path / "done").iterdir())) == 151

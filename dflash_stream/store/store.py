@@ -30,7 +30,8 @@ from dflash_stream.store.segment import (
 )
 
 log = get_logger("store")
-DIRS = ("segments", "tmp", "info", "ready", "claimed", "done", "writers", "budget", "budget/reserved", "budget/waiting")
+DIRS = ("segments", "tmp", "info", "ready", "claimed", "done", "writers", "budget", "budget/reserved", "budget/waiting",
+        "budget/records")
 _ID = re.compile(r"^[A-Za-z0-9_-]+$")
 POLL_SECONDS = (0.02, 0.5)
 
@@ -259,13 +260,26 @@ class Store:
 
     def _used(self) -> int:
         """Published segments at their recorded size, plus everything outside segments and partial writes.
-        Segments are listed before the rest is measured, so a segment deleted in between is still counted."""
+        Segments are listed before the rest is measured, so a segment deleted in between is still counted.
+        Records (info/) and release markers (done/) only accumulate: their directories are measured themselves,
+        the records through their writers' running totals, so this costs the same after any number of segments."""
         charged = 0
         for seg in self._ls("segments"):
             info = self._record(seg)
             # A segment dir without its record is a crashed publish being recovered: measure it.
             charged += info.bytes if info else bud.du(self.path / "segments" / seg)
-        return charged + bud.du(self.path, frozenset({"segments", "tmp"}))
+        rest = bud.du(self.path, frozenset({"segments", "tmp"}), frozenset({"info", "done"}))
+        return charged + rest + self._records_bytes()
+
+    def _records_bytes(self) -> int:
+        """Bytes of the records in info/, as each writer totals its own (budget/records/<writer>)."""
+        total = 0
+        for w in self._ls("budget/records"):
+            try:
+                total += int((self.path / "budget" / "records" / w).read_text() or 0)
+            except (FileNotFoundError, ValueError):
+                continue
+        return total
 
     def _has_marker(self, seg: str) -> bool:
         names = self._ls("ready") + self._ls("done") + [n for c in self._ls("claimed") for n in self._ls(f"claimed/{c}")]
@@ -303,8 +317,12 @@ class SegmentWriter:
         self.waited_seconds = 0.0
         store._clean_writer(writer_id)
         (store.path / "writers" / f"{writer_id}.finished").unlink(missing_ok=True)
-        mine = [n.removesuffix(".json").rpartition(".")[2] for n in store._ls("info") if n.startswith(f"{writer_id}.")]
-        self._seq = max((int(s) for s in mine if s.isdigit()), default=-1) + 1
+        mine = [n for n in store._ls("info") if n.startswith(f"{writer_id}.") and n.endswith(".json")]
+        seqs = [n.removesuffix(".json").rpartition(".")[2] for n in mine]
+        self._seq = max((int(s) for s in seqs if s.isdigit()), default=-1) + 1
+        # The running total of this writer's records, recounted once per start (after any crash).
+        self._records = sum(_blocks(store.path / "info" / n) for n in mine)
+        _write_json(store.path / "budget" / "records" / writer_id, self._records)
         (store.path / "tmp" / writer_id).mkdir(exist_ok=True)
 
     def write(self, samples: list[Sample], pass_index: int = 0, block: bool = True) -> SegmentInfo:
@@ -338,6 +356,9 @@ class SegmentWriter:
             shutil.rmtree(tmp, ignore_errors=True)
             self._unreserve()
             raise
+        # Counted under the reservation until here, the record now joins this writer's total.
+        self._records += _blocks(st.path / "info" / f"{seg}.json")
+        _write_json(st.path / "budget" / "records" / self.id, self._records)
         self._unreserve()
         self._seq += 1
         st._info[seg] = info
@@ -470,6 +491,14 @@ class SegmentConsumer:
         """Some claim will come back to READY for another use."""
         st = self.store
         return any(_marker(n)[1] + 1 < st.reuse for c in st._ls("claimed") for n in st._ls(f"claimed/{c}"))
+
+
+def _blocks(path: Path) -> int:
+    """Allocated bytes of one file, as `du` counts them."""
+    try:
+        return os.stat(path).st_blocks * 512
+    except FileNotFoundError:
+        return 0
 
 
 def _probe_writable(path: Path) -> None:
