@@ -137,14 +137,14 @@ def test_segments_are_zarr_v3_that_zarr_itself_decodes(tmp_path, small_chunks, c
 
 def test_damaged_compressed_chunk_is_named(tmp_path, small_chunks):
     store, claim, _ = round_trip(tmp_path, "lossless", make_samples([1], [64]))
-    chunk = store.path / "segments" / claim.segment_id / "hidden_hi" / "c.1.0.0"
+    chunk = store.path / "segments" / claim.segment_id / "hidden_hi" / "c.1.0"
     data = bytearray(chunk.read_bytes())
     data[3] ^= 0x01
     chunk.write_bytes(bytes(data))
-    with pytest.raises(CorruptChunk, match=rf"segment {claim.segment_id}: chunk hidden_hi/c\.1\.0\.0 is corrupt"):
+    with pytest.raises(CorruptChunk, match=rf"segment {claim.segment_id}: chunk hidden_hi/c\.1\.0 is corrupt"):
         store.consumer("c", keep=[claim.segment_id]).read(claim)
     chunk.write_bytes(bytes(data[:2]))  # shorter than a checksum
-    with pytest.raises(CorruptChunk, match=r"chunk hidden_hi/c\.1\.0\.0 is corrupt \(checksum mismatch\)"):
+    with pytest.raises(CorruptChunk, match=r"chunk hidden_hi/c\.1\.0 is corrupt \(checksum mismatch\)"):
         store.consumer("c", keep=[claim.segment_id]).read(claim)
 
 

@@ -11,11 +11,11 @@ chunk is stored as zarr's `zstd` then `crc32c` codecs would store it (or `crc32c
 segment as it is, while the store encodes and decodes the chunks itself, in parallel, straight between the
 states and the chunk files (zarr's codec pipeline costs more than the compression).
 
-- `lossless`: bf16 split into its two byte planes. The high plane (sign, exponent, top mantissa bit) is an
-  array [T, K, D] whose chunks are stored layer-major (zarr's `transpose` codec: each layer's exponents have
-  their own narrow range, which one Huffman table per zstd block then sees alone; measured 1.47x against 1.42x
-  token-major) and zstd-coded with Huffman literals and almost no match search (see `zstd.py`). The low plane
-  (low mantissa bits) is near-random, so it is stored as is. Bit-exact.
+- `lossless`: bf16 split into its two byte planes, both layer-major [K*T, D]: the states are gathered that way
+  (a copy the gather makes anyway), so that one Huffman table per zstd block sees one layer's narrow range of
+  exponents (measured 1.46x against 1.42x token-major). The high plane (sign, exponent, top mantissa bit) is
+  zstd-coded with Huffman literals and almost no match search (see `zstd.py`); the low plane (low mantissa
+  bits) is near-random, so it is stored as is. Bit-exact.
 - `fp8`: from each channel the segment's mean is subtracted (hidden states carry large per-channel offsets);
   of what is left, each token and layer keeps its largest value exactly ("peak": channel and bf16 bits) and
   the rest becomes e4m3 scaled by its own maximum, stored channel-major and zstd-coded. Measured on SmolLM2:
@@ -55,8 +55,6 @@ class ArraySpec:
     dtype: str
     compress: bool = True
     level: int = zstd.LEVEL
-    order: tuple[int, ...] | None = None
-    """The axis order each chunk is stored in (zarr's `transpose` codec); None: as the array's."""
 
     @property
     def chunks(self) -> tuple[int, ...]:
@@ -100,13 +98,16 @@ class Codec:
     cores by until `tune` measures this target."""
     design_rate_note = "bench store per-core figure, SmolLM2 states on a 2-core AMD EPYC VM, measured under load"
 
+    layer_major = False
+    """`encode` takes the states as [K, T, D] rather than [T, K*D] (the gather transposes them for free)."""
+
     def specs(self, tokens: int, width: int, num_layers: int) -> dict[str, ArraySpec]:
         raise NotImplementedError
 
     def encode(self, bits: np.ndarray, num_layers: int) -> dict[str, np.ndarray]:
         """The arrays' contents, shaped as in `specs` and cast to their dtype as C casts. Views where
         possible: the chunk coders copy each slab out in their own threads. `bits`: the bf16 states as
-        little-endian uint16 [T, K*D], C-contiguous."""
+        little-endian uint16, C-contiguous, [T, K*D] (or [K, T, D] where `layer_major`)."""
         raise NotImplementedError
 
     def decode(self, arrays: dict[str, np.ndarray], num_layers: int) -> torch.Tensor:
@@ -148,26 +149,29 @@ def _as_bf16(bits: np.ndarray) -> torch.Tensor:
 
 
 class Lossless(Codec):
-    name, design_ratio, exact = "lossless", 1.44, True
+    name, design_ratio, exact, layer_major = "lossless", 1.44, True, True
     design_encode_bytes_per_core_s, design_decode_bytes_per_core_s = 0.5e9, 1.0e9
 
     def specs(self, tokens: int, width: int, num_layers: int) -> dict[str, ArraySpec]:
-        rows = plane_rows(tokens, width)
-        return {"hidden_hi": ArraySpec((tokens, num_layers, width // num_layers), rows, "uint8", level=zstd.FAST,
-                                       order=(1, 0, 2)),
-                "hidden_lo": ArraySpec((tokens, width), rows, "uint8", compress=False)}
+        rows, hidden = num_layers * tokens, width // num_layers
+        return {"hidden_hi": ArraySpec((rows, hidden), plane_rows(rows, hidden), "uint8", level=zstd.FAST),
+                "hidden_lo": ArraySpec((rows, hidden), plane_rows(rows, hidden), "uint8", compress=False)}
 
     def encode(self, bits: np.ndarray, num_layers: int) -> dict[str, np.ndarray]:
         # Little-endian: byte 1 of each value is the high one. The low plane is `bits` itself, cast to uint8
         # as each chunk is copied out: a cast costs less than a strided copy.
-        tokens, width = bits.shape
-        return {"hidden_hi": bits.view(np.uint8)[:, 1::2].reshape(tokens, num_layers, -1), "hidden_lo": bits}
+        rows = bits.reshape(-1, bits.shape[-1])
+        return {"hidden_hi": rows.view(np.uint8)[:, 1::2], "hidden_lo": rows}
 
     def decode(self, arrays: dict[str, np.ndarray], num_layers: int) -> torch.Tensor:
         hi, lo = arrays["hidden_hi"], arrays["hidden_lo"]
-        bits = lo.astype("<u2")
-        bits.view(np.uint8)[:, 1::2] = hi.reshape(lo.shape)
-        return _as_bf16(bits)
+        planes = lo.astype("<u2")
+        planes.view(np.uint8)[:, 1::2] = hi
+        hidden = lo.shape[1]
+        tokens = len(lo) // num_layers
+        bits = np.empty((tokens, num_layers, hidden), dtype="<u2")
+        bits[...] = planes.reshape(num_layers, tokens, hidden).transpose(1, 0, 2)  # runs of D values: cheap
+        return _as_bf16(bits.reshape(tokens, -1))
 
 
 def _fp8_values() -> np.ndarray:
@@ -256,7 +260,7 @@ def encode_chunk(part: np.ndarray, spec: ArraySpec) -> memoryview:
     type; the last slab may be short and is padded with zarr's fill value, zero). The checksum is written
     into the coded buffer's tail, so the file is written from that buffer without another copy."""
     dtype = np.dtype(spec.dtype).newbyteorder("<")
-    if spec.compress and part.dtype == dtype and len(part) == spec.rows and part.flags.c_contiguous and not spec.order:
+    if spec.compress and part.dtype == dtype and len(part) == spec.rows and part.flags.c_contiguous:
         chunk = part
     else:
         with stage("plane split"):  # the codec's views become this chunk's contiguous bytes
@@ -266,9 +270,6 @@ def encode_chunk(part: np.ndarray, spec: ArraySpec) -> memoryview:
             chunk = buf[:size].view(dtype).reshape(spec.chunks)
             np.copyto(chunk[: len(part)], part, casting="unsafe")
             chunk[len(part):] = 0
-        if spec.order:
-            with stage("grouping"):  # a copy with contiguous runs: cheap next to a strided one
-                chunk = np.ascontiguousarray(chunk.transpose(spec.order))
     if spec.compress:
         with stage("zstd"):
             buf, n = zstd.compress(chunk, CHECKSUM_BYTES, spec.level)
@@ -292,15 +293,8 @@ def decode_chunk(data: np.ndarray, spec: ArraySpec, out: np.ndarray) -> None:
             raise ValueError("checksum mismatch")
     dtype = np.dtype(spec.dtype).newbyteorder("<")
     size = math.prod(spec.chunks) * dtype.itemsize
-    if len(out) == spec.rows and spec.compress and not spec.order:  # a full chunk decodes in place
+    if len(out) == spec.rows and spec.compress:  # a full chunk decodes in place
         _decompress(payload, out.view(np.uint8).reshape(-1))
-        return
-    if spec.order:
-        stored = np.empty(size, dtype=np.uint8)
-        _decompress(payload, stored)
-        shape = [spec.chunks[axis] for axis in spec.order]
-        with stage("grouping"):
-            out[...] = stored.view(dtype).reshape(shape).transpose(np.argsort(spec.order))[: len(out)]
         return
     if spec.compress:
         chunk = np.empty(size, dtype=np.uint8)

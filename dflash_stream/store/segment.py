@@ -70,16 +70,23 @@ def check_samples(samples: list[Sample], width: int) -> int:
     return total
 
 
-def _gather(samples: list[Sample], pool: ThreadPoolExecutor) -> np.ndarray:
-    """The samples' bf16 states as one little-endian uint16 array [T, K*D]. Raises StoreError naming the
-    first sample with NaN or Inf."""
+def _gather(samples: list[Sample], pool: ThreadPoolExecutor, layers: int | None) -> np.ndarray:
+    """The samples' bf16 states as one little-endian uint16 array [T, K*D], or [K, T, D] with `layers` = K
+    (the copy is made anyway; its runs of D values cost about what a plain copy does). Raises StoreError
+    naming the first sample with NaN or Inf."""
     ends = np.cumsum([len(s.input_ids) for s in samples]).tolist()
-    bits = np.empty((ends[-1], samples[0].hidden_states.shape[1]), dtype="<u2")
+    width = samples[0].hidden_states.shape[1]
+    bits = np.empty((ends[-1], width) if layers is None else (layers, ends[-1], width // layers), dtype="<u2")
 
     def copy(i: int) -> bool:
         with stage("gather"):
-            rows = bits[ends[i] - len(samples[i].input_ids):ends[i]]
-            np.copyto(rows, samples[i].hidden_states.view(torch.int16).numpy().view(np.uint16))
+            start, states = ends[i] - len(samples[i].input_ids), samples[i].hidden_states
+            source = states.view(torch.int16).numpy().view(np.uint16)
+            if layers is None:
+                rows = bits[start:ends[i]]
+            else:
+                rows, source = bits[:, start:ends[i]], source.reshape(len(source), layers, -1).transpose(1, 0, 2)
+            np.copyto(rows, source)
             # NaN and Inf: the bf16 values whose exponent bits are all ones: 0x7F80.. as int16, 0xFF80.. unsigned.
             return rows.max() >= 0xFF80 or rows.view(np.int16).max() >= 0x7F80
 
@@ -110,10 +117,12 @@ def encode_segment(samples: list[Sample], codec: str, layer_ids: list[int], hidd
                   "layout": "tokens x (layers * hidden)", "layer_ids": list(layer_ids), "hidden_size": hidden_size}
     files = {"zarr.json": _json({"attributes": attributes, "zarr_format": 3, "node_type": "group"})}
     with ThreadPoolExecutor(WORKERS) as pool:
-        bits = _gather(samples, pool)
-        contents.update(codecs.get(codec).encode(bits, len(layer_ids)))
+        coder = codecs.get(codec)
+        bits = _gather(samples, pool, len(layer_ids) if coder.layer_major else None)
+        contents.update(coder.encode(bits, len(layer_ids)))
+        tokens, width = len(contents["input_ids"]), samples[0].hidden_states.shape[1]
         chunks = {}
-        for name, spec in segment_specs(codec, len(bits), len(samples), bits.shape[1], len(layer_ids)).items():
+        for name, spec in segment_specs(codec, tokens, len(samples), width, len(layer_ids)).items():
             files[f"{name}/zarr.json"] = _json(_array_metadata(spec))
             for i in range(spec.num_chunks):
                 chunks[f"{name}/{_chunk_key(spec, i)}"] = pool.submit(
@@ -125,7 +134,7 @@ def encode_segment(samples: list[Sample], codec: str, layer_ids: list[int], hidd
 # ---- zarr v3 metadata, as zarr-python 3 writes it (written and read here: zarr's async machinery costs
 # milliseconds per array, more than coding a small segment; zarr itself reads these segments as they are) ----
 def _json(obj: dict) -> memoryview:
-    return memoryview(json.dumps(obj, indent=2).encode())
+    return memoryview(json.dumps(obj).encode())
 
 
 def _chunk_key(spec: codecs.ArraySpec, i: int) -> str:
@@ -134,7 +143,6 @@ def _chunk_key(spec: codecs.ArraySpec, i: int) -> str:
 
 
 def _array_metadata(spec: codecs.ArraySpec) -> dict:
-    order = [{"name": "transpose", "configuration": {"order": list(spec.order)}}] if spec.order else []
     layout = [{"name": "bytes", **({"configuration": {"endian": "little"}} if np.dtype(spec.dtype).itemsize > 1 else {})}]
     compress = [{"name": "zstd", "configuration": {"level": spec.level, "checksum": False}}] if spec.compress else []
     return {
@@ -142,15 +150,14 @@ def _array_metadata(spec: codecs.ArraySpec) -> dict:
         "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(spec.chunks)}},
         "chunk_key_encoding": {"name": "default", "configuration": {"separator": "."}},
         "fill_value": False if spec.dtype == "bool" else 0,
-        "codecs": [*order, *layout, *compress, {"name": "crc32c"}],
+        "codecs": [*layout, *compress, {"name": "crc32c"}],
         "attributes": {}, "zarr_format": 3, "node_type": "array", "storage_transformers": [],
     }
 
 
 def _spec(segment_id: str, name: str, meta: dict) -> codecs.ArraySpec:
     """The layout of an array as its metadata records it, if this module can decode it."""
-    coders = list(meta["codecs"])
-    order = tuple(coders.pop(0)["configuration"]["order"]) if coders[0]["name"] == "transpose" else None
+    coders = meta["codecs"]
     shape, names = tuple(meta["shape"]), [c["name"] for c in coders]
     chunks = tuple(meta["chunk_grid"]["configuration"]["chunk_shape"])
     little = coders[0].get("configuration", {}).get("endian", "little") == "little"
@@ -159,7 +166,7 @@ def _spec(segment_id: str, name: str, meta: dict) -> codecs.ArraySpec:
         raise CorruptChunk(f"segment {segment_id}: array '{name}' has codecs {names} and chunks {list(chunks)} for "
                            f"shape {list(shape)}; this store writes zstd + crc32c chunks along the first axis")
     level = coders[1]["configuration"]["level"] if len(names) == 3 else 0
-    return codecs.ArraySpec(shape, chunks[0], meta["data_type"], compress=len(names) == 3, level=level, order=order)
+    return codecs.ArraySpec(shape, chunks[0], meta["data_type"], compress=len(names) == 3, level=level)
 
 
 def write_file(path: Path, data: memoryview) -> None:
