@@ -124,5 +124,6 @@ def test_write_then_rename_has_one_home():
     """Every file replaced atomically goes through `rundir.write_atomic` (checkpoint folders and the store's
     lifecycle moves are renames of their own, not file writes)."""
     package = Path(__file__).resolve().parent.parent / "dflash_stream"
-    users = sorted(p.relative_to(package).as_posix() for p in package.rglob("*.py") if "os.replace(" in p.read_text())
+    users = sorted(p.relative_to(package).as_posix() for p in package.rglob("*.py")
+                   if "os.replace(" in p.read_text() or "tmp.replace(" in p.read_text())
     assert users == ["rundir.py"]
