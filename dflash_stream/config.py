@@ -160,6 +160,23 @@ class RolesConfig(Section):
     """single: one process alternates extraction and training; split: extractors and trainers side by side;
     auto: single when the launch has one process."""
 
+    def split(self, world_size: int) -> tuple[int, int]:
+        """(extractors, trainers) for a launch of `world_size` processes, (0, 0) in single mode; refused in
+        one line before any work starts. `run` assigns ranks by it and `plan` sizes the run by it."""
+        mode = self.mode
+        if mode == "auto":
+            mode = "single" if world_size == 1 else "split"
+        if mode == "single":
+            if world_size != 1:
+                raise ConfigError(f"roles.mode=single needs one process; the launch has {world_size}")
+            return 0, 0
+        if self.trainers >= world_size:
+            raise ConfigError(
+                f"roles.trainers={self.trainers} leaves no extractor in a launch of {world_size} process(es); "
+                f"allowed: 1..{world_size - 1} (or roles.mode=single with one process)"
+            )
+        return world_size - self.trainers, self.trainers
+
 
 class EvalConfig(Section):
     prompts: str | None = None

@@ -52,7 +52,7 @@ def make_samples(ids: list[int], lengths: list[int], seed: int = 0) -> list[Samp
 
 
 def open_store(path: Path, codec: str = "lossless", budget: int = 10**9, reuse: int = 1, **kw) -> Store:
-    return Store.open(path, budget=budget, codec=codec, reuse=reuse, fingerprint={**FP, "codec": codec},
+    return Store.open(path, budget=budget, codec=codec, reuse=reuse, fingerprint=kw.pop("fingerprint", {**FP, "codec": codec}),
                       max_segment_raw_bytes=kw.pop("max_raw", MAX_RAW), **kw)
 
 
@@ -292,12 +292,34 @@ def test_unknown_codec(tmp_path):
 
 
 def test_fingerprint_mismatch_names_the_field(tmp_path):
-    open_store(tmp_path / "s")
-    with pytest.raises(FingerprintMismatch, match=r"fingerprint.max_length=256 but this run has fingerprint.max_length=512"):
+    open_store(tmp_path / "s").writer("w").write(make_samples([1], [8]))
+    with pytest.raises(FingerprintMismatch, match=r"maximum lengths \(data.max_length\) differ: stored 256, "
+                                                  r"this run 512; .*\(1 segment\(s\) published in it\)"):
         Store.open(tmp_path / "s", budget=10**9, codec="lossless", reuse=1, fingerprint={**FP, "max_length": 512},
                    max_segment_raw_bytes=MAX_RAW)
-    with pytest.raises(FingerprintMismatch, match="reuse=1 but this run has reuse=3"):
+    with pytest.raises(FingerprintMismatch, match=r"uses per segment \(store.reuse\) differ: stored 1, this run 3"):
         open_store(tmp_path / "s", reuse=3)
+    # A digest is explained by its detail: the subfield that differs, in words, not two hashes.
+    detailed = {**FP, "data_spec": "aaaa", "data_spec_detail": {"sources": ["a.jsonl"], "seed": 0}}
+    open_store(tmp_path / "d", fingerprint=detailed).writer("w").write(make_samples([1], [8]))
+    other = {**detailed, "data_spec": "bbbb", "data_spec_detail": {"sources": ["a.jsonl", "b.jsonl"], "seed": 0}}
+    with pytest.raises(FingerprintMismatch, match=r"data sources \(data.sources\) differ: stored \['a.jsonl'\], "
+                                                  r"this run \['a.jsonl', 'b.jsonl'\]"):
+        open_store(tmp_path / "d", fingerprint=other)
+
+
+def test_empty_store_takes_the_new_fingerprint(tmp_path):
+    """A run that failed before its first segment must not lock the corrected rerun out; a reader (create=False,
+    as `train`) never rewrites it, and once a segment exists the store is refused."""
+    open_store(tmp_path / "s")
+    with pytest.raises(FingerprintMismatch, match="maximum lengths"):
+        open_store(tmp_path / "s", fingerprint={**FP, "max_length": 512}, create=False)
+    store = open_store(tmp_path / "s", fingerprint={**FP, "max_length": 512})
+    assert store.fingerprint["max_length"] == 512
+    assert json.loads((tmp_path / "s" / "store.json").read_text())["fingerprint"]["max_length"] == 512
+    store.writer("w").write(make_samples([1], [8]))
+    with pytest.raises(FingerprintMismatch, match="stored 512, this run 256"):
+        open_store(tmp_path / "s")
 
 
 def test_missing_directory(tmp_path):

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from dflash_stream.drafter.batches import TokenBatcher, collate
 from dflash_stream.pipeline import checkpoint as ckpt
-from dflash_stream.pipeline.batches import TokenBatcher, collate
 from dflash_stream.pipeline.trainer import WarmupCosine
 
 

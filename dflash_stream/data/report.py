@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dflash_stream.rundir import RunDir, write_atomic
+
 EXAMPLES_PER_REASON = 5
 
 
@@ -45,12 +47,9 @@ class DataReport:
 
     def write(self, output_dir: str | Path) -> Path:
         """OUTPUT/data/report-<shard>.json, replaced atomically (the audit reads it)."""
-        path = Path(output_dir) / "data" / f"report-{self.shard_index}.json"
+        path = RunDir(output_dir).data_report(self.shard_index)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(self.to_dict()))
-        tmp.replace(path)
-        return path
+        return write_atomic(path, json.dumps(self.to_dict()))
 
     def summary(self) -> str:
         skipped = ", ".join(f"{reason} {n} (e.g. {', '.join(self.examples[reason][:3])})"

@@ -10,13 +10,14 @@ from pathlib import Path
 from typing import Any
 
 from dflash_stream.config import ConfigError
+from dflash_stream.rundir import RunDir
 
 
 class MetricsWriter:
     """Appends one JSON object per line and flushes, so a crashed run keeps everything up to its last event."""
 
     def __init__(self, output_dir: str | Path, role: str, rank: int) -> None:
-        self.path = Path(output_dir) / "metrics" / f"{role}-{rank}.jsonl"
+        self.path = RunDir(output_dir).metrics_file(role, rank)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.role, self.rank = role, rank
         self._file = self.path.open("a", buffering=1)
@@ -35,7 +36,7 @@ class MetricsWriter:
 def read_metrics(output_dir: str | Path) -> list[dict[str, Any]]:
     """All ranks' events in time order; a torn last line (crash mid-write) is skipped."""
     events = []
-    for path in sorted((Path(output_dir) / "metrics").glob("*.jsonl")):
+    for path in RunDir(output_dir).metrics_files():
         for line in path.read_text().splitlines():
             try:
                 events.append(json.loads(line))
@@ -61,7 +62,7 @@ class TrainingTracker(MetricsWriter):
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError:
                 raise ConfigError("metrics.tensorboard needs the tensorboard package: pip install tensorboard") from None
-            self._tb = SummaryWriter(str(Path(output_dir) / "tensorboard" / f"{role}-{rank}"))
+            self._tb = SummaryWriter(str(RunDir(output_dir).tensorboard(role, rank)))
 
     def log(self, event: str, **fields: Any) -> None:
         super().log(event, **fields)

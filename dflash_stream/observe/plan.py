@@ -269,10 +269,9 @@ def build_plan(cfg: Config, samples: int | None = None, mean_tokens: float | Non
 
 def _time_plan(cfg: Config, shape: TargetShape, layer_ids: list[int], mean: float, tokens: float | None,
                processes: int, tune: dict | None) -> dict[str, Any]:
-    from dflash_stream.pipeline.roles import split_roles
     from dflash_stream.store import codecs
 
-    extractors, trainers = split_roles(cfg, processes)
+    extractors, trainers = cfg.roles.split(processes)
     overlapped = extractors > 0
     extractors, trainers = max(extractors, 1), max(trainers, 1)
     est = estimated_rates(cfg, shape, layer_ids, mean)

@@ -18,6 +18,7 @@ import yaml
 
 from dflash_stream.observe.metrics import read_metrics
 from dflash_stream.observe.units import fmt_bytes, fmt_count, fmt_duration
+from dflash_stream.rundir import RunDir, checkpoint_step
 
 STALE_AFTER_S = 120.0  # a rank silent this long, whose process cannot be checked, is presumed stopped
 
@@ -51,7 +52,7 @@ def _ranks(events: list[dict[str, Any]], now: float) -> list[dict[str, Any]]:
 
 
 def _run_state(out: Path, ranks: list[dict[str, Any]]) -> tuple[str, str]:
-    if (out / "summary.json").is_file():
+    if RunDir(out).summary.is_file():
         return "finished", "summary.json written"
     if not ranks:
         return "starting", "no metrics yet"
@@ -121,7 +122,7 @@ def _live_store(out: Path) -> dict[str, Any] | None:
     """The store's own status when its folder is reachable from here (the run's config.yaml names it)."""
     from dflash_stream.store import Store, StoreError
 
-    config = out / "config.yaml"
+    config = RunDir(out).config
     if not config.is_file():
         return None
     path = (yaml.safe_load(config.read_text()) or {}).get("store", {}).get("path")
@@ -171,26 +172,25 @@ def _training(events: list[dict[str, Any]]) -> dict[str, Any] | None:
 
 
 def _checkpoints(out: Path) -> dict[str, Any]:
-    steps = sorted(
-        int(p.name.removeprefix("step-")) for p in (out / "checkpoints").glob("step-*")
-        if p.name.removeprefix("step-").isdigit() and (p / "COMPLETE").exists()
-    )
-    return {"count": len(steps), "latest_step": steps[-1] if steps else None,
-            "latest": str(out / "checkpoints" / f"step-{steps[-1]}") if steps else None}
+    complete = RunDir(out).complete_checkpoints()
+    latest = complete[-1] if complete else None
+    return {"count": len(complete), "latest_step": checkpoint_step(latest) if latest else None,
+            "latest": str(latest) if latest else None}
 
 
 def collect_status(output_dir: str | Path, now: float | None = None) -> dict[str, Any]:
     """Everything `status` shows, as plain data."""
     out = Path(output_dir)
+    run = RunDir(out)
     if not out.is_dir():
         raise FileNotFoundError(f"output folder not found: {out}")
-    if not (out / "metrics").is_dir() and not (out / "summary.json").is_file():
+    if not run.metrics.is_dir() and not run.summary.is_file():
         raise FileNotFoundError(f"{out} has no metrics/ folder: not a dflash-stream output folder (yet)")
     now = time.time() if now is None else now
     events = read_metrics(out)
     ranks = _ranks(events, now)
     state, reason = _run_state(out, ranks)
-    summary = json.loads((out / "summary.json").read_text()) if state == "finished" else None
+    summary = json.loads(run.summary.read_text()) if state == "finished" else None
     return {
         "output": str(out), "state": state, "state_reason": reason, "time": now,
         "ranks": ranks,

@@ -107,7 +107,7 @@ def _train(cfg: Config, model, tokenizer, layer_ids: list[int], samples: list[Pr
            states: list[torch.Tensor], steps: int, device: torch.device) -> float:
     """Training tokens/s of the real drafter on these samples (after one warm-up step)."""
     from dflash_stream.drafter import DFlashDrafter, TargetHead, build_spec, dflash_loss
-    from dflash_stream.pipeline.batches import TokenBatcher, collate
+    from dflash_stream.drafter.batches import TokenBatcher, collate
     from dflash_stream.store.segment import StoredSample
     from dflash_stream.target_model import text_config
 

@@ -1,8 +1,8 @@
 """The exactly-once audit: the data's sample ids against the ids each epoch trained on.
 
-Expected ids come from the extractors' data reports (`OUTPUT/data/report-*.json`, the ids that survived
-filtering). Trained ids come from the trainers' ledgers (`OUTPUT/ledger/trainer-R/<step>.jsonl`), counted only up
-to each trainer's latest complete checkpoint: a ledger file past it belongs to a checkpoint that never finished.
+Expected ids come from the extractors' data reports (the ids that survived filtering). Trained ids come from
+the trainers' ledgers, counted only up to the latest complete checkpoint: a ledger file past it belongs to a
+checkpoint that never finished. Every path is read through `RunDir`.
 """
 
 from __future__ import annotations
@@ -16,29 +16,20 @@ from typing import Any
 import yaml
 
 from dflash_stream.errors import DFlashError
+from dflash_stream.rundir import RunDir, checkpoint_step
 
 
-def _expected_ids(output: Path) -> set[int]:
+def _expected_ids(run: RunDir) -> set[int]:
     ids: set[int] = set()
-    for report in sorted((output / "data").glob("report-*.json")):
+    for report in run.data_reports():
         ids.update(json.loads(report.read_text())["sample_ids"])
     return ids
 
 
-def latest_complete_step(output: Path) -> int:
-    """The step of the newest checkpoint whose COMPLETE marker exists (-1 when none)."""
-    steps = [
-        int(d.name.removeprefix("step-"))
-        for d in (output / "checkpoints").glob("step-*")
-        if (d / "COMPLETE").exists()
-    ]
-    return max(steps, default=-1)
-
-
-def _trained_per_epoch(output: Path, upto_step: int) -> dict[int, Counter[int]]:
+def _trained_per_epoch(run: RunDir, upto_step: int) -> dict[int, Counter[int]]:
     per_epoch: dict[int, Counter[int]] = {}
-    for part in sorted((output / "ledger").glob("trainer-*/*.jsonl")):
-        if int(part.stem) > upto_step:
+    for step, part in run.ledger_files():
+        if step > upto_step:
             continue
         for line in part.read_text().splitlines():
             entry = json.loads(line)
@@ -48,13 +39,12 @@ def _trained_per_epoch(output: Path, upto_step: int) -> dict[int, Counter[int]]:
 
 def audit_run(output_dir: str | Path) -> dict[str, Any]:
     """Counts per epoch; `ok` means every epoch trained every expected id exactly once."""
-    output = Path(output_dir)
-    if not output.is_dir():
-        raise DFlashError(f"no run output at {output}")
-    config_path = output / "config.yaml"
-    epochs = yaml.safe_load(config_path.read_text())["train"]["epochs"] if config_path.exists() else 1
-    expected = _expected_ids(output)
-    per_epoch = _trained_per_epoch(output, latest_complete_step(output))
+    run = RunDir(output_dir)
+    if not run.root.is_dir():
+        raise DFlashError(f"no run output at {run.root}")
+    epochs = yaml.safe_load(run.config.read_text())["train"]["epochs"] if run.config.exists() else 1
+    expected = _expected_ids(run)
+    per_epoch = _trained_per_epoch(run, checkpoint_step(run.latest_checkpoint()))
     passes = []
     for epoch in range(max(epochs, max(per_epoch, default=-1) + 1)):
         counts = per_epoch.get(epoch, Counter())
@@ -68,9 +58,9 @@ def audit_run(output_dir: str | Path) -> dict[str, Any]:
                 "unexpected": len(counts.keys() - expected),
             }
         )
-    finished = (output / "summary.json").exists()
+    finished = run.summary.exists()
     ok = bool(expected) and all(p["missing"] == p["duplicated"] == p["unexpected"] == 0 for p in passes)
-    return {"output": str(output), "finished": finished, "passes": passes, "ok": ok}
+    return {"output": str(run.root), "finished": finished, "passes": passes, "ok": ok}
 
 
 def format_audit(report: dict[str, Any]) -> str:

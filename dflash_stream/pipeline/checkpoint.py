@@ -1,10 +1,8 @@
 """Trainer checkpoints and the consumed-sample ledger on disk, written so that a crash at any instant leaves
-either the previous complete checkpoint or the new one, never a mix.
+either the previous complete checkpoint or the new one, never a mix. Where they live is `RunDir`'s.
 
-Layout (OUTPUT = cfg.output_dir):
-    checkpoints/step-N/   model.safetensors, drafter_spec.json, trainer_state.pt, trainer-R.pt per rank, COMPLETE
-    checkpoints/.step-N.tmp/   the same while being written; renamed into place, then COMPLETE is written last
-    ledger/trainer-R/N.jsonl   segment uses rank R trained between the previous checkpoint and step N
+A checkpoint folder holds model.safetensors, drafter_spec.json, trainer_state.pt (rank 0) and trainer-R.pt per
+rank; it is staged in `.step-N.tmp/`, renamed into place, and its COMPLETE marker is written last.
 """
 
 from __future__ import annotations
@@ -12,68 +10,55 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
-COMPLETE = "COMPLETE"
+from dflash_stream.errors import DFlashError
+from dflash_stream.rundir import COMPLETE, RunDir, checkpoint_step, fsync, write_atomic
+
+__all__ = ["COMPLETE", "KEEP", "SHARED_STATE", "begin", "checkpoint_step", "complete_checkpoints", "drop_ledger_after",
+           "latest_checkpoint", "ledger_dir", "load", "load_torch", "publish", "rank_state_file", "save",
+           "save_torch", "write_ledger"]
+
 KEEP = 2
+SHARED_STATE = "trainer_state.pt"
+"""Optimizer, scheduler and the step's counters, written by rank 0."""
 
 
-def checkpoints_dir(output_dir: str | Path) -> Path:
-    return Path(output_dir) / "checkpoints"
-
-
-def ledger_dir(output_dir: str | Path, index: int) -> Path:
-    return Path(output_dir) / "ledger" / f"trainer-{index}"
-
-
-def _step(path: Path) -> int:
-    return int(path.name.removeprefix("step-"))
+def rank_state_file(rank: int | str) -> str:
+    """Each trainer rank's own state: its data position, random streams and sample count ("*": a glob)."""
+    return f"trainer-{rank}.pt"
 
 
 def complete_checkpoints(output_dir: str | Path) -> list[Path]:
     """Complete checkpoints, oldest first."""
-    root = checkpoints_dir(output_dir)
-    found = [p for p in root.glob("step-*") if p.name[5:].isdigit() and (p / COMPLETE).is_file()]
-    return sorted(found, key=_step)
+    return RunDir(output_dir).complete_checkpoints()
 
 
 def latest_checkpoint(output_dir: str | Path) -> Path | None:
-    found = complete_checkpoints(output_dir)
-    return found[-1] if found else None
+    return RunDir(output_dir).latest_checkpoint()
 
 
-def checkpoint_step(path: Path | None) -> int:
-    return 0 if path is None else _step(path)
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+def ledger_dir(output_dir: str | Path, index: int) -> Path:
+    return RunDir(output_dir).ledger(index)
 
 
 def save_torch(obj: Any, path: Path) -> None:
     """torch.save then fsync: only plain containers and tensors, so `torch.load(weights_only=True)` reads it."""
     torch.save(obj, path)
-    _fsync(path)
+    fsync(path)
 
 
 def load_torch(path: Path) -> Any:
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
-def staging_dir(output_dir: str | Path, step: int) -> Path:
-    return checkpoints_dir(output_dir) / f".step-{step}.tmp"
-
-
 def begin(output_dir: str | Path, step: int) -> Path:
     """A fresh staging folder for checkpoint `step` (leftovers of an interrupted attempt are discarded)."""
-    staging = staging_dir(output_dir, step)
+    staging = RunDir(output_dir).staging(step)
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     return staging
@@ -81,52 +66,80 @@ def begin(output_dir: str | Path, step: int) -> Path:
 
 def publish(output_dir: str | Path, step: int) -> Path:
     """Make the staged checkpoint durable: fsync its files, rename it into place, write COMPLETE last."""
-    staging, final = staging_dir(output_dir, step), checkpoints_dir(output_dir) / f"step-{step}"
+    run = RunDir(output_dir)
+    staging, final = run.staging(step), run.checkpoint(step)
     for item in staging.iterdir():
-        _fsync(item)
-    _fsync(staging)
+        fsync(item)
+    fsync(staging)
     # A folder of the same name without COMPLETE is a crashed earlier attempt at this step.
     shutil.rmtree(final, ignore_errors=True)
     os.rename(staging, final)
     marker = final / COMPLETE
     marker.write_text(f"{step}\n")
-    _fsync(marker)
-    _fsync(final)
-    _fsync(final.parent)
-    _prune(output_dir)
+    fsync(marker)
+    fsync(final)
+    fsync(final.parent)
+    _prune(run)
     return final
 
 
-def _prune(output_dir: str | Path) -> None:
+def _prune(run: RunDir) -> None:
     """Keep the newest KEEP complete checkpoints; drop older ones and abandoned partial folders below them."""
-    complete = complete_checkpoints(output_dir)
+    complete = run.complete_checkpoints()
     for old in complete[:-KEEP]:
         shutil.rmtree(old)
-    oldest_kept = _step(complete[-KEEP]) if len(complete) >= KEEP else 0
-    for path in checkpoints_dir(output_dir).glob("*step-*"):
-        step = path.name.removeprefix(".").removeprefix("step-").removesuffix(".tmp")
-        if step.isdigit() and int(step) < oldest_kept and not (path / COMPLETE).is_file():
+    oldest_kept = checkpoint_step(complete[-KEEP]) if len(complete) >= KEEP else 0
+    for step, path in run.incomplete_checkpoints():
+        if step < oldest_kept:
             shutil.rmtree(path)
+
+
+def save(output_dir: str | Path, step: int, rank: int, *, rank_state: dict[str, Any],
+         ledger: list[dict[str, Any]], write_shared: Callable[[Path], None] | None,
+         barrier: Callable[[], None]) -> Path:
+    """Checkpoint `step`, collective over the trainers (`barrier` syncs them): rank 0 stages the folder,
+    every rank writes its ledger and its `trainer-<rank>.pt`, rank 0 also the shared files
+    (`write_shared(staging)`), and once all are written rank 0 publishes it. Returns the final folder."""
+    if rank == 0:
+        begin(output_dir, step)
+    barrier()
+    staging = RunDir(output_dir).staging(step)
+    write_ledger(output_dir, rank, step, ledger)
+    save_torch(rank_state, staging / rank_state_file(rank))
+    if write_shared is not None:
+        write_shared(staging)
+    barrier()
+    if rank == 0:
+        publish(output_dir, step)
+    barrier()
+    return RunDir(output_dir).checkpoint(step)
+
+
+def load(path: Path, rank: int, trainers: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(shared state, this rank's state) of checkpoint `path`, refused in one line when it was written by
+    another number of trainers (each rank's data position is in its own file)."""
+    parts = sorted(p.name for p in path.glob(rank_state_file("*")))
+    if len(parts) != trainers:
+        raise DFlashError(
+            f"checkpoint {path} was written by {len(parts)} trainer(s) but this launch has {trainers}; "
+            "resume with the same number of trainers (roles.trainers)"
+        )
+    return load_torch(path / SHARED_STATE), load_torch(path / rank_state_file(rank))
 
 
 def write_ledger(output_dir: str | Path, index: int, step: int, entries: list[dict[str, Any]]) -> Path:
     """One JSON line per segment use trained since the previous checkpoint; atomic and durable."""
-    folder = ledger_dir(output_dir, index)
-    folder.mkdir(parents=True, exist_ok=True)
-    path, tmp = folder / f"{step}.jsonl", folder / f".{step}.jsonl.tmp"
-    tmp.write_text("".join(json.dumps(entry) + "\n" for entry in entries))
-    _fsync(tmp)
-    os.replace(tmp, path)
-    _fsync(folder)
-    return path
+    path = RunDir(output_dir).ledger_file(index, step)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return write_atomic(path, "".join(json.dumps(entry) + "\n" for entry in entries), durable=True)
 
 
 def drop_ledger_after(output_dir: str | Path, index: int, step: int) -> list[Path]:
     """Delete this rank's ledger files newer than checkpoint `step`: they belong to a checkpoint that never
     completed, and the samples they list are trained again."""
     dropped = []
-    for path in ledger_dir(output_dir, index).glob("*.jsonl"):
-        if path.stem.isdigit() and int(path.stem) > step:
+    for ledger_step, path in RunDir(output_dir).ledger_files(index):
+        if ledger_step > step:
             path.unlink()
             dropped.append(path)
     return dropped

@@ -33,6 +33,7 @@ from dflash_stream.pipeline.common import (
     store_layout,
 )
 from dflash_stream.pipeline.roles import RoleInfo, assign_uniform
+from dflash_stream.preflight import check_run_paths
 from dflash_stream.store import Sample, Store, StoreFull, sizes
 from dflash_stream.target_model import load_target, resolve_device, resolve_layer_ids, text_config
 from dflash_stream.target_model.capture import LayerCapture
@@ -397,6 +398,7 @@ class Extractor:
 
 def extract_command(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
+    check_run_paths(cfg)  # before anything is written
     role = assign_uniform("extractor")
     setup_logging("extractor", role.index, show_bar=role.speaks_for_role)
     device = resolve_device(cfg.target)
@@ -407,8 +409,10 @@ def extract_command(args: argparse.Namespace) -> int:
         save_resolved_config(cfg)
     metrics = MetricsWriter(cfg.output_dir, "extractor", role.index)
     metrics.log("start", config=cfg.model_dump(mode="json"))
-    extractor = Extractor(cfg, role, store, metrics, device)
-    extractor.run()
+    # From before the target loads: a trainer waiting on the store sees this extractor alive.
+    with store.heartbeat(f"extractor-{role.index}"):
+        extractor = Extractor(cfg, role, store, metrics, device)
+        extractor.run()
     summary = extractor.summary()
     metrics.log("end", summary=summary)
     metrics.close()

@@ -13,7 +13,7 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
-from dflash_stream.config import Config, ConfigError
+from dflash_stream.config import Config
 
 Role = Literal["extractor", "trainer", "single"]
 
@@ -41,24 +41,6 @@ def world() -> tuple[int, int]:
     return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 
 
-def split_roles(cfg: Config, world_size: int) -> tuple[int, int]:
-    """(extractors, trainers) for this launch, validated before any work starts."""
-    mode = cfg.roles.mode
-    if mode == "auto":
-        mode = "single" if world_size == 1 else "split"
-    if mode == "single":
-        if world_size != 1:
-            raise ConfigError(f"roles.mode=single needs one process; the launch has {world_size}")
-        return 0, 0
-    trainers = cfg.roles.trainers
-    if trainers >= world_size:
-        raise ConfigError(
-            f"roles.trainers={trainers} leaves no extractor in a launch of {world_size} process(es); "
-            f"allowed: 1..{world_size - 1} (or roles.mode=single with one process)"
-        )
-    return world_size - trainers, trainers
-
-
 def init_distributed() -> torch.device:
     """Join the launch's process group through accelerate (gloo on CPU, nccl on GPU); this process's device."""
     from accelerate import PartialState
@@ -69,7 +51,7 @@ def init_distributed() -> torch.device:
 def assign_role(cfg: Config) -> RoleInfo:
     """This process's role in a combined run (`dflash-stream run`)."""
     rank, world_size = world()
-    extractors, trainers = split_roles(cfg, world_size)
+    extractors, trainers = cfg.roles.split(world_size)
     if extractors == 0:
         return RoleInfo("single", 0, 1, rank, world_size)
     init_distributed()

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 from pathlib import Path
 from typing import Any
@@ -22,12 +21,11 @@ from dflash_stream.log import get_logger, setup_logging
 from dflash_stream.observe.metrics import MetricsWriter, TrainingTracker, peak_store_bytes
 from dflash_stream.pipeline.common import open_store, save_resolved_config, store_layout
 from dflash_stream.pipeline.roles import RoleInfo, assign_role, init_distributed
+from dflash_stream.preflight import check_run_paths
+from dflash_stream.rundir import RunDir, write_atomic
 from dflash_stream.target_model import resolve_device
 
 log = get_logger("run")
-
-SUMMARY_PARTS = "summary-parts"
-
 
 def register(sub: argparse._SubParsersAction) -> None:
     run = sub.add_parser("run", help="extract and train in one launch (the main job)")
@@ -59,17 +57,15 @@ def _first_rank_opens_store(cfg: Config, role: RoleInfo, layer_ids: list[int], h
 
 
 def _write_summary_part(output: Path, role: RoleInfo, fields: dict[str, Any]) -> None:
-    parts = output / SUMMARY_PARTS
-    parts.mkdir(parents=True, exist_ok=True)
-    tmp = parts / f".{role.role}-{role.index}.json.tmp"
-    tmp.write_text(json.dumps(fields))
-    os.replace(tmp, parts / f"{role.role}-{role.index}.json")
+    path = RunDir(output).summary_part(role.role, role.index)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(path, json.dumps(fields))
 
 
 def write_summary(cfg: Config, store, started: float) -> dict[str, Any]:
     """OUTPUT/summary.json from every rank's part and the store's records, and a closing table."""
-    output = Path(cfg.output_dir)
-    parts = [json.loads(p.read_text()) for p in sorted((output / SUMMARY_PARTS).glob("*.json"))]
+    run = RunDir(cfg.output_dir)
+    parts = [json.loads(p.read_text()) for p in run.summary_part_files()]
     extractors = [p for p in parts if p["role"] in ("extractor", "single")]
     trainers = [p for p in parts if p["role"] in ("trainer", "single")]
     lead = next((p for p in trainers if p["index"] == 0), {})
@@ -81,7 +77,7 @@ def write_summary(cfg: Config, store, started: float) -> dict[str, Any]:
         "samples_trained": sum(p.get("samples_trained", 0) for p in trainers),
         "steps": lead.get("steps", 0),
         "budget_bytes": int(cfg.store.budget),
-        "peak_store_bytes": peak_store_bytes(output),
+        "peak_store_bytes": peak_store_bytes(run.root),
         "wall_seconds": round(time.time() - started, 2),
         "extract_seconds": round(max((p.get("extract_seconds", 0.0) for p in extractors), default=0.0), 2),
         "train_seconds": round(max((p.get("train_seconds", 0.0) for p in trainers), default=0.0), 2),
@@ -96,12 +92,10 @@ def write_summary(cfg: Config, store, started: float) -> dict[str, Any]:
         "checkpoint": lead.get("export"),
         "eval": lead.get("eval"),
     }
-    tmp = output / ".summary.json.tmp"
-    tmp.write_text(json.dumps(summary, indent=2))
-    os.replace(tmp, output / "summary.json")
+    write_atomic(run.summary, json.dumps(summary, indent=2))
     width = max(len(k) for k in summary)
     lines = [f"  {k.ljust(width)}  {v if not isinstance(v, dict) else json.dumps(v)}" for k, v in summary.items()]
-    print("\nrun summary (" + str(output / "summary.json") + ")\n" + "\n".join(lines), flush=True)
+    print("\nrun summary (" + str(run.summary) + ")\n" + "\n".join(lines), flush=True)
     return summary
 
 
@@ -110,13 +104,14 @@ def _finish_training(cfg: Config, role: RoleInfo, trainer) -> dict[str, Any]:
     fields: dict[str, Any] = {}
     if role.index != 0:
         return fields
-    export = trainer.export(Path(cfg.output_dir) / "drafter")
+    run = RunDir(cfg.output_dir)
+    export = trainer.export(run.drafter)
     fields["export"] = str(export)
     if cfg.eval.prompts:
         from dflash_stream.drafter import evaluate
 
         result = evaluate(cfg, export, cfg.eval.prompts, cfg.eval.max_new_tokens)
-        (Path(cfg.output_dir) / "eval.json").write_text(json.dumps(result, indent=2))
+        run.eval.write_text(json.dumps(result, indent=2))
         fields["eval"] = {k: result[k] for k in ("acceptance_length", "matches_target", "speedup") if k in result}
         log.info(
             "held-out acceptance length tau = %.3f (matches target: %s, speedup %.2fx)",
@@ -167,8 +162,9 @@ def run_role(cfg: Config, role: RoleInfo, store, metrics: MetricsWriter, device:
     if role.role == "extractor":
         from dflash_stream.pipeline.extractor import Extractor
 
-        extractor = Extractor(cfg, role, store, metrics, device)
-        extractor.run()
+        with store.heartbeat(f"extractor-{role.index}"):  # from before the target loads
+            extractor = Extractor(cfg, role, store, metrics, device)
+            extractor.run()
         return _extractor_fields(extractor), True
     from dflash_stream.pipeline.trainer import Trainer
 
@@ -181,6 +177,7 @@ def run_role(cfg: Config, role: RoleInfo, store, metrics: MetricsWriter, device:
 def run_command(args: argparse.Namespace) -> int:
     started = time.time()
     cfg = load_config(args.config, args.overrides)
+    check_run_paths(cfg)  # before anything is written
     role = assign_role(cfg)
     setup_logging(role.role, role.index, show_bar=role.speaks_for_role)
     device = _device(cfg)

@@ -6,6 +6,10 @@ different times. To keep collectives in lockstep, every step all ranks all-reduc
 loss statistics) and the flattened gradients; a rank without a batch contributes zeros, and training stops only
 when every rank is at end of data. Gradients are summed as `sum(w * CE)` and divided by the global `sum(w)`, so
 the update is the exact decay-weighted mean over all the tokens every rank trained in the step.
+
+Each piece of state saves and loads itself (torchtitan's lesson): the drafter, optimizer and scheduler (torch),
+the data position (`position.py`: which segment uses are held and what of them was trained) and the random
+streams (`rng.py`). `checkpoint.py` writes them collectively; `signals.py` turns SIGTERM/SIGINT into a stop.
 """
 
 from __future__ import annotations
@@ -14,11 +18,7 @@ import argparse
 import json
 import math
 import signal
-import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -27,17 +27,23 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 
 from dflash_stream.config import Config, load_config
+from dflash_stream.drafter.batches import Member, TokenBatcher, collate
 from dflash_stream.errors import DFlashError
 from dflash_stream.log import get_logger, progress
 from dflash_stream.observe.metrics import MetricsWriter, TrainingTracker
 from dflash_stream.pipeline import checkpoint as ckpt
-from dflash_stream.pipeline.batches import Member, SegmentFeed, TokenBatcher, collate
 from dflash_stream.pipeline.common import log_store_event
+from dflash_stream.pipeline.position import DataPosition
+from dflash_stream.pipeline.rng import RngState
 from dflash_stream.pipeline.roles import RoleInfo
+from dflash_stream.pipeline.schedule import WarmupCosine
+from dflash_stream.pipeline.signals import StopRequest
+from dflash_stream.pipeline.stats import StepStats
+from dflash_stream.pipeline.waiting import DataWait
+from dflash_stream.rundir import RunDir
 
 if TYPE_CHECKING:
-    from dflash_stream.drafter import LossOutput
-    from dflash_stream.store import Claim, SegmentConsumer, Store
+    from dflash_stream.store import Store
 
 log = get_logger(__name__)
 
@@ -48,46 +54,6 @@ HOLDING_SHARE = 0.25
 buffer make the trainers checkpoint (a checkpoint per step would cost more than the extractors' wait)."""
 
 
-class WarmupCosine:
-    """LR multiplier for LambdaLR: linear warmup, then cosine decay to zero over `total_steps`.
-
-    An object rather than a closure so that LambdaLR's state_dict records `total_steps`, which is revised as
-    the data become known. While the data's size is unknown (`open_ended`), a run past the estimate is assumed
-    at most half done, so the rate keeps decaying but never reaches zero early.
-    """
-
-    def __init__(self, total_steps: int, warmup_ratio: float) -> None:
-        self.total_steps = max(1, total_steps)
-        self.warmup_ratio = warmup_ratio
-        self.open_ended = False
-
-    def __call__(self, step: int) -> float:
-        total = max(self.total_steps, 2 * step) if self.open_ended else self.total_steps
-        warmup = round(total * self.warmup_ratio)
-        if step < warmup:
-            return (step + 1) / warmup
-        progress = min(1.0, (step - warmup) / max(1, total - warmup))
-        return 0.5 * (1 + math.cos(math.pi * progress))
-
-
-@dataclass
-class SegmentUse:
-    """One claimed use of a segment and how far training got through it."""
-
-    claim: Claim
-    remaining: set[int]
-    trained: list[int] = field(default_factory=list)
-    since_checkpoint: list[int] = field(default_factory=list)
-
-    @property
-    def done(self) -> bool:
-        return not self.remaining
-
-
-def claim_from_record(record: dict[str, Any]) -> Claim:
-    from dflash_stream.store import Claim
-
-    return Claim(**{**record, "sample_ids": tuple(record["sample_ids"])})
 
 
 class Trainer:
@@ -95,18 +61,21 @@ class Trainer:
 
     def __init__(self, cfg: Config, role: RoleInfo, store: Store, metrics: MetricsWriter, device: torch.device) -> None:
         from dflash_stream.drafter import DFlashDrafter, DrafterSpec, build_spec, load_target_head
+        from dflash_stream.drafter.export import SPEC
+        from dflash_stream.store import SegmentReader
         from dflash_stream.target_model import load_target_config, resolve_layer_ids
 
         self.cfg, self.store, self.metrics, self.device = cfg, store, metrics, device
-        self.output = Path(cfg.output_dir)
+        self.run_dir = RunDir(cfg.output_dir)
         self.index = role.index
         self.group = role.trainer_group
         self.trainers = role.count if self.group is not None else 1
         tc = cfg.train
+        resume = self.run_dir.latest_checkpoint()
 
-        resume = ckpt.latest_checkpoint(self.output)
+        # The model and what trains it
         if resume is not None:
-            self.spec = DrafterSpec(**json.loads((resume / "drafter_spec.json").read_text()))
+            self.spec = DrafterSpec(**json.loads((resume / SPEC).read_text()))
         else:
             target_config = load_target_config(cfg.target)
             layer_ids = resolve_layer_ids(target_config.num_hidden_layers, cfg.target)
@@ -114,7 +83,6 @@ class Trainer:
         self.drafter = DFlashDrafter(self.spec, attention=cfg.drafter.attention).to(device)
         self.bf16 = cfg.train.bf16_autocast(device.type)
         self.head = load_target_head(cfg.target, device, torch.bfloat16 if self.bf16 else torch.float32)
-
         decay = [p for p in self.drafter.parameters() if p.ndim >= 2]
         no_decay = [p for p in self.drafter.parameters() if p.ndim < 2]
         self.optimizer = torch.optim.AdamW(
@@ -124,10 +92,13 @@ class Trainer:
         # Without train.total_steps the length is estimated once data exist (see `_revise_schedule`).
         self.schedule = WarmupCosine(tc.total_steps or 1, tc.warmup_ratio)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self.schedule)
-        self.generator = torch.Generator(device=device).manual_seed(tc.seed * 1_000_003 + self.index)
+        self.rng = RngState(tc.seed * 1_000_003 + self.index, device)
 
+        # The data: this rank's segment uses, their samples queued in batches, the reader decoding ahead
         self.batcher = TokenBatcher(tc.batch_tokens)
-        self.uses: dict[str, SegmentUse] = {}
+        self.position = DataPosition(store, f"trainer-{self.index}", self.batcher)
+
+        # Progress
         self.steps = 0
         self.samples_trained = 0
         self.tokens_trained = 0
@@ -137,82 +108,248 @@ class Trainer:
         self.latest_checkpoint: Path | None = None
         self.data_wait_seconds = 0.0
         self._last_checkpoint_step = 0
-        self._stop_signal: int | None = None
-        self._starved_since: float | None = None
-        self._window = _Window(self.spec.block_size)
+        self.data_wait = DataWait(store, WAIT_POLL_SECONDS)  # its timeout is `train --wait-timeout`
+        self.stats = StepStats(self.spec.block_size)
+        self.stop = StopRequest()
 
-        self.consumer = self._resume(resume)
-        from dflash_stream.store import SegmentReader
-
+        self._resume(resume)
+        self.consumer = self.position.consumer
         self.reader = SegmentReader(self.consumer, prefetch=2)
-        self.feed = SegmentFeed(self.reader)
         self.bar = progress(total=self.schedule.total_steps, initial=self.steps, desc="train", unit="step")
 
-    # ---------------------------------------------------------------- resume
+    # ---------------------------------------------------------------- checkpoint state
 
-    def _resume(self, path: Path | None) -> SegmentConsumer:
-        """Restore model, optimizer, RNG and data position from checkpoint `path`; open this rank's consumer
-        keeping the claims that checkpoint recorded, release the ones it had finished, requeue the rest."""
+    def _resume(self, path: Path | None) -> None:
+        """Load every component's state from checkpoint `path` (None: a fresh start) and drop the ledger
+        files of a checkpoint that never completed."""
+        from dflash_stream.drafter.export import WEIGHTS
+
         step = ckpt.checkpoint_step(path)
-        dropped = ckpt.drop_ledger_after(self.output, self.index, step)
+        dropped = ckpt.drop_ledger_after(self.run_dir.root, self.index, step)
         if dropped:
             log.info("dropped %d ledger file(s) of an unfinished checkpoint after step %d", len(dropped), step)
-        consumer_id = f"trainer-{self.index}"
         if path is None:
-            return self.store.consumer(consumer_id)
-
-        self.drafter.load_state_dict(load_file(path / "model.safetensors", device=str(self.device)))
-        state = ckpt.load_torch(path / "trainer_state.pt")
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
-        self.steps = self._last_checkpoint_step = state["step"]
-        self.tokens_trained, self._all_samples_trained = state["tokens"], state["samples"]
-        parts = sorted(p.name for p in path.glob("trainer-*.pt"))
-        if len(parts) != self.trainers:
-            raise DFlashError(
-                f"checkpoint {path} was written by {len(parts)} trainer(s) but this launch has {self.trainers}; "
-                "resume with the same number of trainers (roles.trainers)"
-            )
-        part = ckpt.load_torch(path / f"trainer-{self.index}.pt")
-        self.generator.set_state(part["generator"])
-        torch.set_rng_state(part["torch_rng"])
-        if self.device.type == "cuda" and "cuda_rng" in part:
-            torch.cuda.set_rng_state(part["cuda_rng"], self.device)
+            self.position.load_state_dict(DataPosition.EMPTY)
+            return
+        shared, part = ckpt.load(path, self.index, self.trainers)
+        self.drafter.load_state_dict(load_file(path / WEIGHTS, device=str(self.device)))
+        self.optimizer.load_state_dict(shared["optimizer"])
+        self.scheduler.load_state_dict(shared["scheduler"])
+        self.steps = self._last_checkpoint_step = shared["step"]
+        self.tokens_trained, self._all_samples_trained = shared["tokens"], shared["samples"]
+        self.rng.load_state_dict(part)
         self.samples_trained = part["samples_trained"]
+        self.position.load_state_dict(part)
         self.latest_checkpoint = path
+        log.info("resumed from %s: step %d, %d half-trained segment(s) re-claimed", path, self.steps,
+                 len(part["partial"]))
 
-        finished = [claim_from_record(r) for r in part["finished"]]
-        partial = [(claim_from_record(r["claim"]), r["trained"]) for r in part["partial"]]
-        from dflash_stream.store import StoreError
+    def _rank_state(self) -> dict[str, Any]:
+        """trainer-<rank>.pt: this rank's data position, random streams and sample count."""
+        return {**self.position.state_dict(), **self.rng.state_dict(), "samples_trained": self.samples_trained}
 
-        half_done = [claim.segment_id for claim, _ in partial]
-        consumer = self.store.consumer(consumer_id, keep=[c.segment_id for c in finished] + half_done)
-        released = 0
-        for claim in finished:
-            # Trained and recorded, so never retrained. The crash may have come before their release, or
-            # after it (then the store no longer holds this use for us, and says so).
-            try:
-                consumer.release([claim])
-                released += 1
-            except StoreError:
-                continue
-        if released:
-            log.info("released %d segment use(s) finished before the restart", released)
-        # `keep` matches segment ids, so it also kept any later use of a finished segment that we had claimed
-        # after releasing it; that use was not trained and goes back to READY now.
-        consumer = self.store.consumer(consumer_id, keep=half_done)
-        for claim, trained in partial:
-            done = set(trained)
-            use = SegmentUse(claim, set(claim.sample_ids) - done, list(trained))
-            self.uses[claim.segment_id] = use
-            samples = [s for s in consumer.read(claim) if s.sample_id not in done]
-            self.batcher.add(claim.segment_id, samples)
-        log.info(
-            "resumed from %s: step %d, %d half-trained segment(s) re-claimed", path, self.steps, len(partial)
+    def _write_shared(self, staging: Path) -> None:
+        """The files rank 0 writes for all: the drafter and the shared trainer state."""
+        from dflash_stream.drafter import save_checkpoint_drafter
+
+        save_checkpoint_drafter(self.drafter, self.spec, staging)
+        ckpt.save_torch({
+            "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+            "step": self.steps, "tokens": self.tokens_trained, "samples": self._all_samples_trained,
+        }, staging / ckpt.SHARED_STATE)
+
+    def _checkpoint(self, reason: str) -> None:
+        """Write checkpoint step-N (collective over the trainers), then release the segment uses it records
+        as finished. A no-op when nothing was trained since the last one."""
+        if self.steps == self._last_checkpoint_step:
+            return
+        path = ckpt.save(
+            self.run_dir.root, self.steps, self.index, rank_state=self._rank_state(),
+            ledger=self.position.ledger_entries(), write_shared=self._write_shared if self.index == 0 else None,
+            barrier=self._barrier,
         )
-        return consumer
+        # Durable now: what it records as finished may leave the store.
+        released = self.position.release_finished()
+        self._last_checkpoint_step = self.steps
+        self.latest_checkpoint = path
+        self._revise_schedule()
+        log.info("checkpoint step-%d (%s); released %d segment use(s)", self.steps, reason, released)
+        self.metrics.log("checkpoint", step=self.steps, path=str(path), released=released, reason=reason)
+        if self.index == 0:
+            log_store_event(self.metrics, self.store)
+
+    # ---------------------------------------------------------------- the loop
+
+    def run(self, until_idle: bool = False) -> bool:
+        """Train until end of data (True: everything consumed, final checkpoint durable, all released) or
+        train.max_steps (True as well: training is over). False after a stop signal (checkpointed), or with
+        `until_idle` once no decoded or READY segment is left (checkpointed and released, never blocking)."""
+        every = self.cfg.train.checkpoint_every
+        self._revise_schedule()
+        with self.stop:
+            while True:
+                if self._max_steps_reached():
+                    self._checkpoint("train.max_steps reached")
+                    return True
+
+                # One step: forward/backward this rank's micro-batches, agree with the other ranks, update.
+                started = time.perf_counter()
+                flags = self._sync(*self._accumulate())
+                if flags["trained"]:
+                    self._optimizer_step()
+                    self.tokens_trained += flags["tokens"]
+                    self._all_samples_trained += flags["samples"]
+                    self.train_seconds += time.perf_counter() - started
+                    self.stats.step_done(flags["tokens"])
+                    self._report()
+
+                # Stop, at the end of the data or on a signal.
+                if flags["all_exhausted"]:
+                    self._checkpoint("end of data")
+                    self._flush_report()
+                    return True
+                if flags["stop"]:
+                    self._checkpoint(f"stop requested by {self.stopped_by or 'another trainer'}")
+                    return False
+
+                # Checkpoint (and release). The deadlock rule: finished segments a checkpoint would free must
+                # not sit unreleased while extractors wait for space, or while a trainer waits for data (their
+                # next use may be it).
+                if flags["holding_much"] and flags["writers_waiting"]:
+                    self._checkpoint("extractors are blocked on the full buffer")
+                elif flags["holding"] and flags["starved"]:
+                    self._checkpoint("a trainer ran out of ready data")
+                elif flags["trained"] and self.steps % every == 0:
+                    self._checkpoint(f"every {every} steps")
+
+                # No batch anywhere this step: wait for data (or return, in single-process mode).
+                if not flags["trained"]:
+                    if until_idle and self._store_idle():
+                        self._checkpoint("no ready segment left")
+                        return False
+                    self._wait_for_data()
+                else:
+                    self.data_wait.reset()
+
+    @property
+    def stopped_by(self) -> str | None:
+        return self.stop.name
+
+    def _max_steps_reached(self) -> bool:
+        return self.cfg.train.max_steps is not None and self.steps >= self.cfg.train.max_steps
+
+    # ---------------------------------------------------------------- one step
+
+    def _accumulate(self) -> tuple[int, int, int]:
+        """Forward/backward up to grad_accum micro-batches; (micro-batches, tokens, samples) this rank trained."""
+        from dflash_stream.drafter import dflash_loss
+
+        micro, tokens, samples = 0, 0, 0
+        for _ in range(self.cfg.train.grad_accum):
+            members = self._next_members()
+            if not members:
+                break
+            batch = collate(members, self.device)
+            with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
+                out = dflash_loss(
+                    self.drafter, self.head, batch,
+                    num_anchors=self.cfg.train.num_anchors, gamma=self.cfg.train.gamma,
+                    generator=self.rng.generator,
+                )
+            # Backpropagate the weighted sum; the step divides by the global weight (see module docstring).
+            (out.loss * out.weight).backward()
+            self.stats.add(out)
+            self.stats.epoch = max(self.stats.epoch, self.position.mark_trained(members))
+            micro += 1
+            tokens += int(batch["lengths"].sum())
+            samples += len(members)
+        self.samples_trained += samples
+        return micro, tokens, samples
+
+    def _sync(self, micro: int, tokens: int, samples: int) -> dict[str, Any]:
+        """One all-reduce of flags and statistics; every rank takes the same decisions from its result."""
+        exhausted, holding = self._exhausted(), self.position.finished_bytes()
+        flags = [
+            micro > 0,
+            self.stop.requested,
+            self.consumer.writers_waiting(),
+            exhausted,
+            holding,
+            micro == 0 and not exhausted,
+            tokens,
+            samples,
+        ]
+        vec = torch.tensor(flags + self.stats.pending(), dtype=torch.float64, device=self.device)
+        vec = self._all_reduce(vec).tolist()
+        self.stats.absorb(vec[len(flags):])
+        trained, stop, waiting, exhausted_ranks, holding, starved, tokens, samples = vec[: len(flags)]
+        return {
+            "trained": trained > 0, "stop": stop > 0, "writers_waiting": waiting > 0,
+            "all_exhausted": exhausted_ranks == self.trainers, "holding": holding > 0,
+            # Checkpointing for blocked extractors pays only once it frees a real share of the buffer.
+            "holding_much": holding >= int(self.cfg.store.budget) * HOLDING_SHARE, "starved": starved > 0,
+            "tokens": int(tokens), "samples": int(samples),
+        }
+
+    def _optimizer_step(self) -> None:
+        params = [p for p in self.drafter.parameters() if p.requires_grad]
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        flat = self._all_reduce(torch.cat([g.reshape(-1).float() for g in grads]))
+        weight = max(self.stats.step_weight, 1e-12)
+        offset = 0
+        for p in params:
+            n = p.numel()
+            p.grad = flat[offset:offset + n].view_as(p).to(p.dtype) / weight
+            offset += n
+        torch.nn.utils.clip_grad_norm_(params, self.cfg.train.grad_clip)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.steps += 1
+
+    def _all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.group is not None:
+            dist.all_reduce(tensor, group=self.group)
+        return tensor
+
+    def _barrier(self) -> None:
+        if self.group is not None:
+            dist.barrier(group=self.group)
 
     # ---------------------------------------------------------------- data
+
+    def _next_members(self) -> list[Member]:
+        """A batch from what is queued or already decoded; never waits for the store."""
+        while not self.batcher.full_batch_ready() and self._take_segment(timeout=0):
+            pass
+        return self.batcher.next_batch()
+
+    def _take_segment(self, timeout: float | None) -> bool:
+        """Queue the next decoded segment; False when none came within `timeout` (or at end of data)."""
+        item = self.reader.next(timeout)
+        if item is None:
+            return False
+        self.position.add(*item)
+        return True
+
+    def _exhausted(self) -> bool:
+        return len(self.batcher) == 0 and self.reader.exhausted
+
+    def _store_idle(self) -> bool:
+        """Nothing READY in the store, and no claim on its way to us through the reader (single process:
+        every claim in the store is ours)."""
+        segments = self.store.status()["segments"]
+        return segments["ready"] == 0 and segments["claimed"] <= len(self.position)
+
+    def _wait_for_data(self) -> None:
+        """Block a little for the next segment (the ranks then compare notes again); say so, with reminders."""
+        if self._exhausted():
+            time.sleep(0.05)  # only the other ranks are still training; wait for their next step
+            return
+        self.data_wait.tick()
+        started = time.perf_counter()
+        self._take_segment(timeout=WAIT_POLL_SECONDS)
+        self.data_wait_seconds += time.perf_counter() - started
 
     def _estimate_total_steps(self) -> tuple[int, bool]:
         """(schedule length, whether the data's size is known). Length: the tokens of all epochs over the
@@ -221,7 +358,7 @@ class Trainer:
         without them only the store's current content is known, a mere window of the data."""
         status = self.store.status()
         uses = self.cfg.store.reuse * self.cfg.extraction_passes
-        expected = sum(json.loads(r.read_text())["kept"] for r in (self.output / "data").glob("report-*.json"))
+        expected = sum(json.loads(r.read_text())["kept"] for r in self.run_dir.data_reports())
         if self._all_samples_trained:
             per_sample = self.tokens_trained / self._all_samples_trained
         else:
@@ -247,253 +384,6 @@ class Trainer:
             group["lr"] = base * self.schedule(self.scheduler.last_epoch)
         self.bar.total = self.schedule.total_steps
 
-    def _take_segment(self, timeout: float | None) -> bool:
-        """Queue the next decoded segment; False when none came within `timeout` (or at end of data)."""
-        item = self.feed.get(timeout)
-        if item is None:
-            return False
-        claim, samples = item
-        self.uses[claim.segment_id] = SegmentUse(claim, {s.sample_id for s in samples})
-        self.batcher.add(claim.segment_id, samples)
-        return True
-
-    def _next_members(self) -> list[Member]:
-        """A batch from what is queued or already decoded; never waits for the store."""
-        while not self.batcher.full_batch_ready() and self._take_segment(timeout=0):
-            pass
-        return self.batcher.next_batch()
-
-    def _exhausted(self) -> bool:
-        return len(self.batcher) == 0 and self.feed.exhausted
-
-    def _store_idle(self) -> bool:
-        """Nothing READY in the store, and no claim on its way to us through the reader (single process:
-        every claim in the store is ours)."""
-        segments = self.store.status()["segments"]
-        return segments["ready"] == 0 and segments["claimed"] <= len(self.uses)
-
-    def _finished_bytes(self) -> int:
-        """Disk bytes of the segment uses this rank finished but has not released (a checkpoint frees them)."""
-        return sum(use.claim.bytes for use in self.uses.values() if use.done)
-
-    # ---------------------------------------------------------------- one step
-
-    def _accumulate(self) -> tuple[int, int, int]:
-        """Forward/backward up to grad_accum micro-batches; (micro-batches, tokens, samples) this rank trained."""
-        from dflash_stream.drafter import dflash_loss
-
-        micro, tokens, samples = 0, 0, 0
-        for _ in range(self.cfg.train.grad_accum):
-            members = self._next_members()
-            if not members:
-                break
-            batch = collate(members, self.device)
-            with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
-                out = dflash_loss(
-                    self.drafter, self.head, batch,
-                    num_anchors=self.cfg.train.num_anchors, gamma=self.cfg.train.gamma, generator=self.generator,
-                )
-            # Backpropagate the weighted sum; the step divides by the global weight (see module docstring).
-            (out.loss * out.weight).backward()
-            self._window.add(out)
-            for member in members:
-                use = self.uses[member.segment_id]
-                use.remaining.discard(member.sample.sample_id)
-                use.trained.append(member.sample.sample_id)
-                use.since_checkpoint.append(member.sample.sample_id)
-                self._window.epoch = max(self._window.epoch, use.claim.epoch)
-            micro += 1
-            tokens += int(batch["lengths"].sum())
-            samples += len(members)
-        self.samples_trained += samples
-        return micro, tokens, samples
-
-    def _all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
-        if self.group is not None:
-            dist.all_reduce(tensor, group=self.group)
-        return tensor
-
-    def _sync(self, micro: int, tokens: int, samples: int) -> dict[str, Any]:
-        """One all-reduce of flags and statistics; every rank takes the same decisions from its result."""
-        exhausted, holding = self._exhausted(), self._finished_bytes()
-        flags = [
-            micro > 0,
-            self._stop_signal is not None,
-            self.consumer.writers_waiting(),
-            exhausted,
-            holding,
-            micro == 0 and not exhausted,
-            tokens,
-            samples,
-        ]
-        vec = torch.tensor(flags + self._window.pending(), dtype=torch.float64, device=self.device)
-        vec = self._all_reduce(vec).tolist()
-        self._window.absorb(vec[len(flags):])
-        trained, stop, waiting, exhausted_ranks, holding, starved, tokens, samples = vec[: len(flags)]
-        return {
-            "trained": trained > 0, "stop": stop > 0, "writers_waiting": waiting > 0,
-            "all_exhausted": exhausted_ranks == self.trainers, "holding": holding > 0,
-            # Checkpointing for blocked extractors pays only once it frees a real share of the buffer.
-            "holding_much": holding >= int(self.cfg.store.budget) * HOLDING_SHARE, "starved": starved > 0,
-            "tokens": int(tokens), "samples": int(samples),
-        }
-
-    def _optimizer_step(self) -> None:
-        params = [p for p in self.drafter.parameters() if p.requires_grad]
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        flat = self._all_reduce(torch.cat([g.reshape(-1).float() for g in grads]))
-        weight = max(self._window.step_weight, 1e-12)
-        offset = 0
-        for p in params:
-            n = p.numel()
-            p.grad = flat[offset:offset + n].view_as(p).to(p.dtype) / weight
-            offset += n
-        torch.nn.utils.clip_grad_norm_(params, self.cfg.train.grad_clip)
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.steps += 1
-
-    # ---------------------------------------------------------------- checkpoint
-
-    def _checkpoint(self, reason: str) -> None:
-        """Write checkpoint step-N (collective over the trainers), then release the segment uses it records
-        as finished. A no-op when nothing was trained since the last one."""
-        if self.steps == self._last_checkpoint_step:
-            return
-        if self.index == 0:
-            ckpt.begin(self.output, self.steps)
-        self._barrier()
-        staging = ckpt.staging_dir(self.output, self.steps)
-        finished = [u for u in self.uses.values() if u.done]
-        partial = [u for u in self.uses.values() if u.trained and not u.done]
-        ckpt.write_ledger(self.output, self.index, self.steps, [
-            {"segment": u.claim.segment_id, "epoch": u.claim.epoch, "sample_ids": u.since_checkpoint}
-            for u in self.uses.values() if u.since_checkpoint
-        ])
-        part = {
-            "finished": [asdict(u.claim) for u in finished],
-            "partial": [{"claim": asdict(u.claim), "trained": u.trained} for u in partial],
-            "generator": self.generator.get_state(),
-            "torch_rng": torch.get_rng_state(),
-            "samples_trained": self.samples_trained,
-        }
-        if self.device.type == "cuda":
-            part["cuda_rng"] = torch.cuda.get_rng_state(self.device)
-        ckpt.save_torch(part, staging / f"trainer-{self.index}.pt")
-        if self.index == 0:
-            from dflash_stream.drafter import save_checkpoint_drafter
-
-            save_checkpoint_drafter(self.drafter, self.spec, staging)
-            ckpt.save_torch({
-                "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
-                "step": self.steps, "tokens": self.tokens_trained, "samples": self._all_samples_trained,
-            }, staging / "trainer_state.pt")
-        self._barrier()
-        if self.index == 0:
-            ckpt.publish(self.output, self.steps)
-        self._barrier()
-        # Durable now: what it records as finished may leave the store.
-        path = ckpt.checkpoints_dir(self.output) / f"step-{self.steps}"
-        if finished:
-            self.consumer.release([u.claim for u in finished])
-        for use in finished:
-            del self.uses[use.claim.segment_id]
-        for use in self.uses.values():
-            use.since_checkpoint = []
-        self._last_checkpoint_step = self.steps
-        self.latest_checkpoint = path
-        self._revise_schedule()
-        log.info("checkpoint step-%d (%s); released %d segment use(s)", self.steps, reason, len(finished))
-        self.metrics.log("checkpoint", step=self.steps, path=str(path), released=len(finished), reason=reason)
-        if self.index == 0:
-            log_store_event(self.metrics, self.store)
-
-    def _barrier(self) -> None:
-        if self.group is not None:
-            dist.barrier(group=self.group)
-
-    # ---------------------------------------------------------------- loop
-
-    @contextmanager
-    def _signals(self) -> Iterator[None]:
-        """SIGTERM/SIGINT finish the current step, checkpoint, and return (main thread only)."""
-        if threading.current_thread() is not threading.main_thread():
-            yield
-            return
-
-        def request_stop(signum: int, _frame: Any) -> None:
-            self._stop_signal = signum
-
-        previous = {s: signal.signal(s, request_stop) for s in (signal.SIGTERM, signal.SIGINT)}
-        try:
-            yield
-        finally:
-            for s, handler in previous.items():
-                signal.signal(s, handler)
-
-    @property
-    def stopped_by(self) -> str | None:
-        return None if self._stop_signal is None else signal.Signals(self._stop_signal).name
-
-    def _max_steps_reached(self) -> bool:
-        return self.cfg.train.max_steps is not None and self.steps >= self.cfg.train.max_steps
-
-    def run(self, until_idle: bool = False) -> bool:
-        """Train until end of data (True: everything consumed, final checkpoint durable, all released) or
-        train.max_steps (True as well: training is over). False after a stop signal (checkpointed), or with
-        `until_idle` once no decoded or READY segment is left (checkpointed and released, never blocking)."""
-        every = self.cfg.train.checkpoint_every
-        self._revise_schedule()
-        with self._signals():
-            while True:
-                if self._max_steps_reached():
-                    self._checkpoint("train.max_steps reached")
-                    return True
-                started = time.perf_counter()
-                flags = self._sync(*self._accumulate())
-                if flags["trained"]:
-                    self._optimizer_step()
-                    self.tokens_trained += flags["tokens"]
-                    self._all_samples_trained += flags["samples"]
-                    self.train_seconds += time.perf_counter() - started
-                    self._window.step_done(flags["tokens"])
-                    self._report()
-                if flags["all_exhausted"]:
-                    self._checkpoint("end of data")
-                    self._flush_report()
-                    return True
-                if flags["stop"]:
-                    self._checkpoint(f"stop requested by {self.stopped_by or 'another trainer'}")
-                    return False
-                # The deadlock rule: finished segments a checkpoint would free must not sit unreleased while
-                # extractors wait for space, or while a trainer waits for data (their next use may be it).
-                if flags["holding_much"] and flags["writers_waiting"]:
-                    self._checkpoint("extractors are blocked on the full buffer")
-                elif flags["holding"] and flags["starved"]:
-                    self._checkpoint("a trainer ran out of ready data")
-                elif flags["trained"] and self.steps % every == 0:
-                    self._checkpoint(f"every {every} steps")
-                if not flags["trained"]:
-                    if until_idle and self._store_idle():
-                        self._checkpoint("no ready segment left")
-                        return False
-                    self._wait_for_data()
-                else:
-                    self._starved_since = None
-
-    def _wait_for_data(self) -> None:
-        """Block a little for the next segment (the ranks then compare notes again); say so once per wait."""
-        if self._exhausted():
-            time.sleep(0.05)  # only the other ranks are still training; wait for their next step
-            return
-        if self._starved_since is None:
-            self._starved_since = time.perf_counter()
-            log.info("waiting for data: no decoded segment at hand (store segments: %s)", self.store.status()["segments"])
-        started = time.perf_counter()
-        self._take_segment(timeout=WAIT_POLL_SECONDS)
-        self.data_wait_seconds += time.perf_counter() - started
-
     # ---------------------------------------------------------------- logging
 
     def _report(self) -> None:
@@ -502,7 +392,7 @@ class Trainer:
             self._flush_report()
 
     def _flush_report(self) -> None:
-        stats = self._window.flush()
+        stats = self.stats.flush()
         if stats is None:
             return
         from dflash_stream.drafter import expected_acceptance
@@ -531,59 +421,14 @@ class Trainer:
         self.reader.close()
 
 
-class _Window:
-    """Loss and per-slot accuracy since the last log line, summed over micro-batches and (once synced) ranks."""
-
-    def __init__(self, block_size: int) -> None:
-        self.slots = block_size - 1
-        self._local = [0.0] * (2 + 2 * self.slots)
-        self._total = [0.0] * (2 + 2 * self.slots)
-        self.step_weight = 0.0
-        self.tokens = 0
-        self.epoch = 0
-        self._since = time.perf_counter()
-
-    def add(self, out: LossOutput) -> None:
-        w = float(out.weight)
-        values = [float(out.loss.detach()) * w, w, *out.correct.tolist(), *out.count.tolist()]
-        self._local = [a + b for a, b in zip(self._local, values, strict=True)]
-
-    def pending(self) -> list[float]:
-        """This rank's statistics of the current step, for the all-reduce."""
-        local, self._local = self._local, [0.0] * len(self._local)
-        return local
-
-    def absorb(self, synced: list[float]) -> None:
-        self.step_weight = synced[1]
-        self._total = [a + b for a, b in zip(self._total, synced, strict=True)]
-
-    def step_done(self, tokens: int) -> None:
-        self.tokens += tokens
-
-    def flush(self) -> dict[str, Any] | None:
-        loss_sum, weight = self._total[:2]
-        if weight == 0:
-            return None
-        correct, count = self._total[2:2 + self.slots], self._total[2 + self.slots:]
-        stats = {
-            "loss": loss_sum / weight,
-            "acc": [c / n if n else 0.0 for c, n in zip(correct, count, strict=True)],
-            "tokens": self.tokens,
-            "seconds": time.perf_counter() - self._since,
-            "epoch": self.epoch,
-        }
-        self._total = [0.0] * len(self._total)
-        self.tokens = 0
-        self._since = time.perf_counter()
-        return stats
-
-
 # -------------------------------------------------------------------- command
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser("train", help="train the drafter from an existing store (waits for segments)")
     parser.add_argument("--config", required=True, help="run config (YAML)")
+    parser.add_argument("--wait-timeout", type=float, default=None, metavar="SECONDS",
+                        help="give up after waiting this long for data (default: wait as long as it takes)")
     parser.set_defaults(func=train_command, overrides=[])
 
 
@@ -591,18 +436,24 @@ def train_command(args: argparse.Namespace) -> int:
     from dflash_stream.log import setup_logging
     from dflash_stream.pipeline.common import open_store, save_resolved_config, store_layout
     from dflash_stream.pipeline.roles import assign_uniform, init_distributed
+    from dflash_stream.preflight import check_run_paths
 
     cfg = load_config(args.config, args.overrides)
+    check_run_paths(cfg, data=False)  # before anything is written; training reads no data files
     role = assign_uniform("trainer")
     setup_logging("trainer", role.index, show_bar=role.speaks_for_role)
     device = init_distributed() if cfg.target.device == "auto" else torch.device(cfg.target.device)
     layer_ids, hidden_size = store_layout(cfg)
+    if not (Path(cfg.store.path) / "store.json").is_file():
+        raise DFlashError(f"no store at {cfg.store.path} yet: start `dflash-stream extract` with this config first "
+                          "(it creates the store); `train` then waits for its segments")
     store = open_store(cfg, layer_ids, hidden_size, create=False)
     if role.index == 0:
         save_resolved_config(cfg)
     metrics = TrainingTracker(cfg.output_dir, "trainer", role.index, tensorboard=cfg.metrics.tensorboard)
     metrics.log("start", config=cfg.model_dump(mode="json"))
     trainer = Trainer(cfg, role, store, metrics, device)
+    trainer.data_wait.timeout = args.wait_timeout
     try:
         finished = trainer.run()
         summary = {
@@ -611,7 +462,7 @@ def train_command(args: argparse.Namespace) -> int:
             "checkpoint": str(trainer.latest_checkpoint) if trainer.latest_checkpoint else None,
         }
         if finished and role.index == 0:
-            summary["export"] = str(trainer.export(Path(cfg.output_dir) / "drafter"))
+            summary["export"] = str(trainer.export(RunDir(cfg.output_dir).drafter))
         metrics.log("end", summary=summary)
         log.info("training %s: %s", "finished" if finished else "stopped", json.dumps(summary))
     finally:

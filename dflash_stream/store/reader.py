@@ -14,26 +14,41 @@ _END = object()
 
 
 class SegmentReader:
-    """Iterate `(claim, samples)` until the end of data. Up to `prefetch` segments are claimed and decoded
-    ahead; they stay claimed by this consumer until released (recovery returns them if the process dies)."""
+    """Decoded `(claim, samples)` until the end of data, from `next(timeout)` or by iterating. Up to
+    `prefetch` segments are claimed and decoded ahead; they stay claimed by this consumer until released
+    (recovery returns them if the process dies)."""
 
     def __init__(self, consumer: SegmentConsumer, prefetch: int = 2) -> None:
         self.consumer = consumer
         self.wait_seconds = 0.0
+        self.exhausted = False
+        """True once `next` has seen the end of data."""
         self._queue: queue.Queue = queue.Queue(maxsize=max(1, prefetch))
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="segment-reader", daemon=True)
         self._thread.start()
 
-    def __iter__(self) -> Iterator[tuple[Claim, list[StoredSample]]]:
-        while True:
-            start = time.monotonic()
-            item = self._queue.get()
+    def next(self, timeout: float | None = None) -> tuple[Claim, list[StoredSample]] | None:
+        """The next decoded segment; None at the end of data or when none is decoded within `timeout`
+        (0: only one already decoded; None: wait as long as it takes)."""
+        if self.exhausted:
+            return None
+        start = time.monotonic()
+        try:
+            item = self._queue.get(block=timeout != 0, timeout=timeout or None)
+        except queue.Empty:
+            return None
+        finally:
             self.wait_seconds += time.monotonic() - start
-            if item is _END:
-                return
-            if isinstance(item, BaseException):
-                raise item
+        if item is _END:
+            self.exhausted = True
+            return None
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def __iter__(self) -> Iterator[tuple[Claim, list[StoredSample]]]:
+        while (item := self.next()) is not None:
             yield item
 
     def close(self) -> None:
@@ -53,12 +68,14 @@ class SegmentReader:
     def _run(self) -> None:
         try:
             while not self._stop.is_set():
-                claim, exhausted = self.consumer._poll(timeout=0.5)
-                if exhausted:
-                    break
-                if claim is not None and not self._put((claim, self.consumer.read(claim))):
+                claim = self.consumer.claim(timeout=0.5)
+                if claim is None:
+                    if self.consumer.exhausted():
+                        break
+                    continue
+                if not self._put((claim, self.consumer.read(claim))):
                     return
-        except BaseException as err:  # handed to the iterating thread
+        except BaseException as err:  # handed to the thread that asks for segments
             self._put(err)
             return
         self._put(_END)

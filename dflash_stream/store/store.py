@@ -7,7 +7,6 @@ import json
 import os
 import re
 import shutil
-import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -15,9 +14,11 @@ from pathlib import Path
 from typing import Any
 
 from dflash_stream.log import get_logger
+from dflash_stream.rundir import write_atomic
 from dflash_stream.store import budget as bud
 from dflash_stream.store import codecs, sizes
 from dflash_stream.store.errors import BudgetTooSmall, FingerprintMismatch, StoreError, StoreFull
+from dflash_stream.store.heartbeat import Heartbeat, read_heartbeats
 from dflash_stream.store.segment import (
     FORMAT,
     Sample,
@@ -37,10 +38,7 @@ POLL_SECONDS = (0.02, 0.5)
 
 
 def _write_json(path: Path, obj: Any) -> None:
-    """Write-then-rename, so readers see the old file or the new one, never a torn one."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    tmp.write_text(json.dumps(obj))
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps(obj))
 
 
 def _check_id(kind: str, value: str) -> str:
@@ -127,7 +125,7 @@ class Store:
         _probe_writable(path)
         requested = {"format": FORMAT, "fingerprint": fingerprint, "codec": codec, "reuse": reuse, "width": width}
         manifest = _create_or_read_manifest(path, {**requested, "budget": budget}, create)
-        _compare(path, manifest, requested)
+        manifest = _check_fingerprint(path, manifest, requested, create)
         if manifest.get("budget") != budget:
             # The budget may change between runs; `store status` reports the latest one.
             _write_json(path / "store.json", {**manifest, "budget": budget})
@@ -150,6 +148,14 @@ class Store:
 
     def consumer(self, consumer_id: str, keep: Iterable[str] = ()) -> SegmentConsumer:
         return SegmentConsumer(self, _check_id("consumer", consumer_id), set(keep))
+
+    def heartbeat(self, writer_id: str) -> Heartbeat:
+        """Start showing that this writer is alive (from before it loads its target); `stop()` it when done."""
+        return Heartbeat(self.path / "writers", _check_id("writer", writer_id))
+
+    def heartbeats(self) -> dict[str, dict[str, Any]]:
+        """writer id -> {age_s, alive, finished, host, pid} for every writer that showed a heartbeat here."""
+        return read_heartbeats(self.path / "writers")
 
     def set_expected_writers(self, n: int) -> None:
         _write_json(self.path / "writers" / "expected", n)
@@ -418,8 +424,21 @@ class SegmentConsumer:
         store._return_claims(consumer_id, keep)
 
     def claim(self, timeout: float | None = None) -> Claim | None:
-        claim, _ = self._poll(timeout)
-        return claim
+        """A READY segment use, exclusively; blocks until one is ready, the end of data or `timeout`
+        (None in the last two cases: `exhausted()` tells them apart)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        delay = POLL_SECONDS[0]
+        while True:
+            claim = self._try_claim()
+            if claim is not None:
+                return claim
+            if self.exhausted():
+                return None
+            if deadline is not None and time.monotonic() >= deadline:
+                return None
+            pause = delay if deadline is None else min(delay, max(0.0, deadline - time.monotonic()))
+            time.sleep(pause)
+            delay = min(delay * 2, POLL_SECONDS[1])
 
     def read(self, claim: Claim) -> list[StoredSample]:
         return read_segment(claim.segment_id, self.store.path / "segments" / claim.segment_id)
@@ -443,22 +462,6 @@ class SegmentConsumer:
     def writers_waiting(self) -> bool:
         return bool(self.store._ls("budget/waiting"))
 
-    def _poll(self, timeout: float | None) -> tuple[Claim | None, bool]:
-        """(claim, exhausted): blocks until a claim, the end of data (exhausted) or the timeout."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        delay = POLL_SECONDS[0]
-        while True:
-            claim = self._try_claim()
-            if claim is not None:
-                return claim, False
-            if self._exhausted():
-                return None, True
-            if deadline is not None and time.monotonic() >= deadline:
-                return None, False
-            pause = delay if deadline is None else min(delay, max(0.0, deadline - time.monotonic()))
-            time.sleep(pause)
-            delay = min(delay * 2, POLL_SECONDS[1])
-
     def _try_claim(self) -> Claim | None:
         st = self.store
         ready = []
@@ -477,7 +480,9 @@ class SegmentConsumer:
             return Claim(info.segment_id, info.pass_index, use, info.sample_ids, info.num_tokens, st.reuse, info.bytes)
         return None
 
-    def _exhausted(self) -> bool:
+    def exhausted(self) -> bool:
+        """True once nothing is left to claim, now or later: the writers are done, nothing is READY, and no
+        claim will come back to READY for another use."""
         st = self.store
         if not st.end_of_data:
             return False
@@ -530,14 +535,66 @@ def _create_or_read_manifest(path: Path, requested: dict[str, Any], create: bool
         raise StoreError(f"{manifest} is not valid JSON: {err}") from None
 
 
-def _compare(path: Path, stored: dict[str, Any], requested: dict[str, Any]) -> None:
-    fields = [("format", stored.get("format"), requested["format"]), ("codec", stored.get("codec"), requested["codec"]),
-              ("reuse", stored.get("reuse"), requested["reuse"])]
+FIELD_WORDS = {
+    "format": "store formats", "codec": "codecs (store.codec)", "reuse": "uses per segment (store.reuse)",
+    "target": "target models (target.model)", "layer_ids": "captured target layers (target.layer_ids)",
+    "hidden_size": "hidden sizes of the target", "max_length": "maximum lengths (data.max_length)",
+    "tokenizer": "tokenizers (target.model, target.revision)", "data_spec": "data specs",
+    "sources": "data sources (data.sources)", "system_prompt": "system prompts (data.system_prompt)",
+    "regenerate": "regeneration settings (data.regenerate)", "generation": "generation settings (data.generation)",
+    "min_supervised_tokens": "minimum supervised tokens (data.min_supervised_tokens)", "seed": "data seeds (data.seed)",
+}
+"""How a mismatch names each field, in words."""
+DETAIL = "_detail"
+"""A fingerprint key `X_detail` spells out field X (a digest) so that a mismatch can say what differs; it is
+compared only through X."""
+
+
+def _mismatch(stored: dict[str, Any], requested: dict[str, Any]) -> str | None:
+    """The first field in which a store's manifest and a run's request differ, in words; None if none does."""
+    fields = [(k, stored.get(k), requested[k]) for k in ("format", "codec", "reuse")]
     old_fp, new_fp = stored.get("fingerprint", {}), requested["fingerprint"]
-    fields += [(f"fingerprint.{k}", old_fp.get(k), new_fp.get(k)) for k in sorted(set(old_fp) | set(new_fp))]
+    keys = sorted(k for k in set(old_fp) | set(new_fp) if not k.endswith(DETAIL))
+    fields += [(k, old_fp.get(k), new_fp.get(k)) for k in keys]
     for name, old, new in fields:
-        if old != new:
-            raise FingerprintMismatch(
-                f"store {path} was made with {name}={old!r} but this run has {name}={new!r}; "
-                "use another store.path or delete the old store"
-            )
+        if old == new:
+            continue
+        old_detail, new_detail = old_fp.get(name + DETAIL), new_fp.get(name + DETAIL)
+        if isinstance(old_detail, dict) and isinstance(new_detail, dict):
+            for sub in sorted(set(old_detail) | set(new_detail)):
+                if old_detail.get(sub) != new_detail.get(sub):
+                    return (f"{FIELD_WORDS.get(sub, sub)} differ: stored {old_detail.get(sub)!r}, "
+                            f"this run {new_detail.get(sub)!r}")
+        words = FIELD_WORDS.get(name, name)
+        return f"{words} differ: stored {old!r}, this run {new!r}"
+    return None
+
+
+def _holds_nothing(path: Path) -> bool:
+    """No segment was ever published, claimed or begun, and no writer holds a reservation."""
+    for rel in ("info", "segments", "ready", "done", "budget/reserved"):
+        d = path / rel
+        if d.is_dir() and any(not n.startswith(".") for n in os.listdir(d)):
+            return False
+    return not any(any(sub.iterdir()) for rel in ("tmp", "claimed") if (path / rel).is_dir()
+                   for sub in (path / rel).iterdir() if sub.is_dir())
+
+
+def _check_fingerprint(path: Path, manifest: dict[str, Any], requested: dict[str, Any], create: bool
+                       ) -> dict[str, Any]:
+    """The manifest to use. A store that holds nothing yet (an earlier run failed before its first segment)
+    takes the new config instead of refusing it; otherwise a mismatch is refused, naming what differs."""
+    why = _mismatch(manifest, requested)
+    if why is None:
+        return manifest
+    alive = [w for w, b in read_heartbeats(path / "writers").items() if b["alive"]]
+    if create and _holds_nothing(path) and not alive:
+        log.info("store %s holds no segment yet: it takes this run's config (%s)", path, why)
+        manifest = {**manifest, **requested}
+        _write_json(path / "store.json", manifest)
+        return manifest
+    published = len([n for n in os.listdir(path / "info") if not n.startswith(".")]) if (path / "info").is_dir() else 0
+    raise FingerprintMismatch(
+        f"store {path} was made by another config: {why}; use another store.path, or delete the store "
+        f"({published} segment(s) published in it)"
+    )

@@ -15,17 +15,18 @@ import numpy as np
 import torch
 
 from dflash_stream.config import GenerationConfig
+from dflash_stream.rundir import RunDir
 from dflash_stream.target_model.loading import stop_token_ids
 
 
 class ResponseCache:
     def __init__(self, output_dir: str | Path, digest: str, shard_index: int) -> None:
-        folder = Path(output_dir) / "data"
-        folder.mkdir(parents=True, exist_ok=True)
-        self.path = folder / f"responses-{digest}-{shard_index}.jsonl"
+        run = RunDir(output_dir)
+        run.data.mkdir(parents=True, exist_ok=True)
+        self.path = run.responses(digest, shard_index)
         self.responses: dict[int, list[int]] = {}
         # Every shard's file: the extractor count may differ from the run that generated them.
-        for path in sorted(folder.glob(f"responses-{digest}-*.jsonl")):
+        for path in sorted(run.data.glob(run.responses(digest, "*").name)):
             for line in path.read_text().splitlines():
                 try:
                     record = json.loads(line)

@@ -7,12 +7,9 @@ sample remembers its segment, which is what the trainer's exactly-once bookkeepi
 
 from __future__ import annotations
 
-import queue
-import threading
 from collections import deque
-from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 
@@ -94,43 +91,3 @@ def collate(members: list[Member], device: torch.device) -> dict[str, torch.Tens
         "lengths": lengths.to(device),
     }
 
-
-_END = object()
-
-
-class SegmentFeed:
-    """A non-blocking view of the store's SegmentReader: `get(timeout)` returns a decoded `(claim, samples)`
-    or None. The trainer must never block inside a step (its ranks would wait on each other in a collective,
-    and a full buffer would deadlock), while the reader only offers a blocking iterator; one thread bridges
-    them and hands over one segment at a time, so it adds at most one segment to the reader's prefetch.
-    """
-
-    def __init__(self, segments: Iterable[tuple[Any, list[Any]]]) -> None:
-        self._queue: queue.Queue = queue.Queue(maxsize=1)
-        self.exhausted = False
-        self._thread = threading.Thread(target=self._pump, args=(segments,), name="segment-feed", daemon=True)
-        self._thread.start()
-
-    def _pump(self, segments: Iterable[tuple[Any, list[Any]]]) -> None:
-        try:
-            for item in segments:
-                self._queue.put(item)
-        except BaseException as err:  # re-raised in the training thread
-            self._queue.put(err)
-            return
-        self._queue.put(_END)
-
-    def get(self, timeout: float | None = 0) -> tuple[Any, list[Any]] | None:
-        """The next segment; None at end of data or when none arrives within `timeout` (0: do not wait)."""
-        if self.exhausted:
-            return None
-        try:
-            item = self._queue.get(block=timeout != 0, timeout=timeout or None)
-        except queue.Empty:
-            return None
-        if item is _END:
-            self.exhausted = True
-            return None
-        if isinstance(item, BaseException):
-            raise item
-        return item

@@ -1,0 +1,127 @@
+"""Where one trainer rank is in the data: the segment uses it holds and which of their samples it trained.
+
+Exactly-once rests on this record. A checkpoint saves it (`state_dict`: the finished uses, to release, and the
+half-trained ones, with the ids already trained); a resume loads it (`load_state_dict`), which releases what was
+finished and re-queues the untrained rest of every half-trained segment, so nothing is lost or trained twice.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from dflash_stream.drafter.batches import Member, TokenBatcher
+from dflash_stream.log import get_logger
+
+if TYPE_CHECKING:
+    from dflash_stream.store import Claim, SegmentConsumer, Store, StoredSample
+
+log = get_logger(__name__)
+
+
+@dataclass
+class SegmentUse:
+    """One claimed use of a segment and how far training got through it."""
+
+    claim: Claim
+    remaining: set[int]
+    trained: list[int] = field(default_factory=list)
+    since_checkpoint: list[int] = field(default_factory=list)
+
+    @property
+    def done(self) -> bool:
+        return not self.remaining
+
+
+def claim_from_record(record: dict[str, Any]) -> Claim:
+    from dflash_stream.store import Claim
+
+    return Claim(**{**record, "sample_ids": tuple(record["sample_ids"])})
+
+
+class DataPosition:
+    """The segment uses of consumer `consumer_id` and their samples queued in `batcher`. `consumer` exists
+    once `load_state_dict` ran (with the empty state `EMPTY` for a fresh start)."""
+
+    EMPTY: dict[str, list] = {"finished": [], "partial": []}
+
+    def __init__(self, store: Store, consumer_id: str, batcher: TokenBatcher) -> None:
+        self.store, self.consumer_id, self.batcher = store, consumer_id, batcher
+        self.uses: dict[str, SegmentUse] = {}
+        self.consumer: SegmentConsumer
+
+    def __len__(self) -> int:
+        """Segment uses held, finished or not."""
+        return len(self.uses)
+
+    def add(self, claim: Claim, samples: list[StoredSample]) -> None:
+        """A freshly claimed segment use: all its samples are still to train."""
+        self.uses[claim.segment_id] = SegmentUse(claim, {s.sample_id for s in samples})
+        self.batcher.add(claim.segment_id, samples)
+
+    def mark_trained(self, members: list[Member]) -> int:
+        """Record a trained batch; the highest epoch it belonged to."""
+        epoch = 0
+        for member in members:
+            use = self.uses[member.segment_id]
+            use.remaining.discard(member.sample.sample_id)
+            use.trained.append(member.sample.sample_id)
+            use.since_checkpoint.append(member.sample.sample_id)
+            epoch = max(epoch, use.claim.epoch)
+        return epoch
+
+    def finished_bytes(self) -> int:
+        """Disk bytes of the uses finished but not released (what a checkpoint would free)."""
+        return sum(use.claim.bytes for use in self.uses.values() if use.done)
+
+    def ledger_entries(self) -> list[dict[str, Any]]:
+        """The audit's ledger lines: each use's samples trained since the previous checkpoint."""
+        return [{"segment": u.claim.segment_id, "epoch": u.claim.epoch, "sample_ids": u.since_checkpoint}
+                for u in self.uses.values() if u.since_checkpoint]
+
+    def state_dict(self) -> dict[str, list]:
+        return {
+            "finished": [asdict(u.claim) for u in self.uses.values() if u.done],
+            "partial": [{"claim": asdict(u.claim), "trained": u.trained}
+                        for u in self.uses.values() if u.trained and not u.done],
+        }
+
+    def release_finished(self) -> int:
+        """After a durable checkpoint: release the finished uses it recorded and start the next ledger."""
+        finished = [u for u in self.uses.values() if u.done]
+        if finished:
+            self.consumer.release([u.claim for u in finished])
+        for use in finished:
+            del self.uses[use.claim.segment_id]
+        for use in self.uses.values():
+            use.since_checkpoint = []
+        return len(finished)
+
+    def load_state_dict(self, state: dict[str, list]) -> None:
+        """Open the consumer keeping the claims `state` records, release the finished ones, re-queue the
+        untrained samples of the half-trained ones; every other claim of this consumer goes back to READY."""
+        from dflash_stream.store import StoreError
+
+        finished = [claim_from_record(r) for r in state["finished"]]
+        partial = [(claim_from_record(r["claim"]), r["trained"]) for r in state["partial"]]
+        half_done = [claim.segment_id for claim, _ in partial]
+        if finished:
+            consumer = self.store.consumer(self.consumer_id, keep=[c.segment_id for c in finished] + half_done)
+            released = 0
+            for claim in finished:
+                # Trained and recorded, so never retrained. The crash may have come before their release, or
+                # after it (then the store no longer holds this use for us, and says so).
+                try:
+                    consumer.release([claim])
+                    released += 1
+                except StoreError:
+                    continue
+            if released:
+                log.info("released %d segment use(s) finished before the restart", released)
+        # `keep` matches segment ids, so it also kept any later use of a finished segment that we had claimed
+        # after releasing it; that use was not trained and goes back to READY now.
+        self.consumer = self.store.consumer(self.consumer_id, keep=half_done)
+        for claim, trained in partial:
+            done = set(trained)
+            self.uses[claim.segment_id] = SegmentUse(claim, set(claim.sample_ids) - done, list(trained))
+            self.batcher.add(claim.segment_id, [s for s in self.consumer.read(claim) if s.sample_id not in done])

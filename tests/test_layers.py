@@ -1,0 +1,118 @@
+"""The package's import graph points down the data flow. `python tests/test_layers.py` prints the graph.
+
+Every `dflash_stream` import is read from the source (lazy imports inside functions and type-only imports
+included, since both are arrows a reader follows), so a new upward import fails here before it tangles the
+parts.
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent.parent / "dflash_stream"
+
+LAYERS = [
+    {"__init__", "config", "errors", "log", "preflight", "rundir"},  # the base every part may use
+    {"data"},
+    {"target_model"},
+    {"store"},
+    {"drafter"},
+    {"observe"},  # metrics every role writes; plan, tune, status and report read the parts below
+    {"pipeline"},  # the roles wire everything together
+    {"bench"},
+    {"cli", "__main__"},
+]
+"""Lowest first: a part may import its own layer and the layers before it in this list, never one after it."""
+
+PENDING = {"dflash_stream.observe.plan -> dflash_stream.pipeline.common"}
+"""Upward imports with a fix under way: `max_segment_raw_bytes` moves into the store (issue 13, point 1).
+Empty this set as they go; an entry that no longer occurs fails the test, so none lingers."""
+
+
+def _part(module: str) -> str:
+    """`dflash_stream.store.reader` -> `store`; `dflash_stream.config` -> `config`."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def _layer(part: str) -> int:
+    for index, layer in enumerate(LAYERS):
+        if part in layer:
+            return index
+    raise AssertionError(f"dflash_stream/{part} is in no layer of tests/test_layers.py: add it to LAYERS")
+
+
+def _module_name(path: Path) -> str:
+    rel = path.relative_to(PACKAGE.parent).with_suffix("")
+    names = list(rel.parts)
+    if names[-1] == "__init__" and len(names) > 1:
+        names.pop()
+    return ".".join(names)
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the dflash_stream modules it imports."""
+    graph: dict[str, set[str]] = defaultdict(set)
+    for path in sorted(PACKAGE.rglob("*.py")):
+        source = _module_name(path)
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                assert node.level == 0, f"{path}: relative import; the package imports by absolute names"
+                base = node.module or ""
+                # `from dflash_stream.pipeline import checkpoint` imports the module pipeline.checkpoint
+                targets = [base] + [f"{base}.{alias.name}" for alias in node.names
+                                    if (PACKAGE.parent / base.replace(".", "/") / f"{alias.name}.py").is_file()]
+            else:
+                continue
+            graph[source].update(t for t in targets if t == "dflash_stream" or t.startswith("dflash_stream."))
+        graph.setdefault(source, set())
+    return graph
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    return sorted(
+        f"{source} -> {target}"
+        for source, targets in graph.items() for target in targets
+        if _layer(_part(target)) > _layer(_part(source))
+    )
+
+
+def test_no_part_imports_a_part_above_it():
+    upward = set(upward_imports(import_graph()))
+    assert not upward - PENDING, "imports pointing up the data flow (see LAYERS):\n  " + "\n  ".join(sorted(upward - PENDING))
+    assert not PENDING - upward, f"fixed, so delete from PENDING in tests/test_layers.py: {sorted(PENDING - upward)}"
+
+
+def test_every_part_has_a_layer():
+    for module in import_graph():
+        _layer(_part(module))
+
+
+def test_extractor_and_trainer_meet_only_in_the_store():
+    graph = import_graph()
+    extractor, trainer = "dflash_stream.pipeline.extractor", "dflash_stream.pipeline.trainer"
+    assert trainer not in graph[extractor] and extractor not in graph[trainer]
+
+
+def test_an_upward_import_is_caught():
+    """The check itself can fail: a store module importing the pipeline is reported."""
+    graph = {"dflash_stream.store.store": {"dflash_stream.pipeline.checkpoint", "dflash_stream.config"}}
+    assert upward_imports(graph) == ["dflash_stream.store.store -> dflash_stream.pipeline.checkpoint"]
+
+
+if __name__ == "__main__":
+    # The part-level graph, one arrow per line, upward arrows marked.
+    arrows: dict[tuple[str, str], int] = defaultdict(int)
+    for source, targets in import_graph().items():
+        for target in targets:
+            if _part(source) != _part(target):
+                arrows[_part(source), _part(target)] += 1
+    for (source, target), count in sorted(arrows.items(), key=lambda a: (_layer(a[0][0]), a[0])):
+        mark = "   <-- UP" if _layer(target) > _layer(source) else ""
+        print(f"{source:>13} -> {target:<13} ({count} import{'s' if count > 1 else ''}){mark}")
+    sys.exit(1 if upward_imports(import_graph()) else 0)
