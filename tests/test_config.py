@@ -46,7 +46,7 @@ def test_overrides_reach_nested_keys_and_list_items(minimal):
 @pytest.mark.parametrize(
     "override, words",
     [
-        (["--store.codec=zip"], ["store.codec", "allowed: lossless, fp8, none", "zip"]),
+        (["--store.codec=zip"], ["store.codec", "'lossless', 'fp8' or 'none'", "zip"]),
         (["--store.budgett=1GB"], ["store.budgett", "allowed here", "budget"]),
         (["--store.budget=lots"], ["store.budget", "150GiB"]),
         (["--train.lr=-1"], ["train.lr", "greater than 0"]),
@@ -85,3 +85,12 @@ def test_cli_prints_one_line_and_exits_2(minimal, capsys):
     assert main(["audit", str(minimal.parent / "no-such-run")]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("dflash-stream: error:") and "\n" not in err
+
+
+def test_store_codec_names_are_the_registry() -> None:
+    import typing
+
+    from dflash_stream.config import StoreConfig
+    from dflash_stream.store import codecs
+
+    assert typing.get_args(StoreConfig.model_fields["codec"].annotation) == codecs.names()

@@ -186,7 +186,6 @@ def build_plan(cfg: Config, samples: int | None = None, mean_tokens: float | Non
                processes: int = 1) -> dict[str, Any]:
     """The whole plan as plain data (what `plan --json` prints)."""
     from dflash_stream.observe.store_cores import store_cores
-    from dflash_stream.pipeline.common import max_segment_raw_bytes
     from dflash_stream.store import codecs, sizes
     from dflash_stream.target_model import resolve_layer_ids
 
@@ -223,8 +222,8 @@ def build_plan(cfg: Config, samples: int | None = None, mean_tokens: float | Non
     segment_raw = int(cfg.store.segment_bytes)
     segment_stored = segment_raw / ratio
     # The one rule `Store.open` applies too: below it, opening the store is refused.
-    min_budget = sizes.smallest_budget(cfg.store.path, max_segment_raw_bytes(cfg, len(layer_ids), shape.hidden_size),
-                                       width, codec)
+    largest = sizes.max_segment_raw_bytes(int(cfg.store.segment_bytes), cfg.data.max_length, width)
+    min_budget = sizes.smallest_budget(cfg.store.path, largest, width, codec)
     written = volume["full_dump_stored_bytes"] * passes if tokens else None
     buffer = {
         "budget_bytes": budget, "segment_raw_bytes": segment_raw, "segment_stored_bytes": segment_stored,
