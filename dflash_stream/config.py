@@ -108,6 +108,8 @@ class StoreConfig(Section):
     path: str
     budget: ByteSize
     codec: Literal["lossless", "fp8", "none"] = "lossless"
+    """A name in the store's codec registry (`dflash_stream/store/codecs.py`; a test keeps the two equal:
+    config sits below the store and cannot import it)."""
     segment_bytes: ByteSize = ByteSize(64 * 2**20)
     """Raw (bf16) size a segment is filled to before it is published."""
     reuse: int = Field(1, ge=1)

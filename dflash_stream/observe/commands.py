@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 from dflash_stream.config import load_config
 from dflash_stream.errors import DFlashError
@@ -41,6 +42,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     r = sub.add_parser("report", help="PNG plots of buffer occupancy, rates, loss and per-slot accuracy")
     r.add_argument("output")
+    r.add_argument("--out", help="folder for the PNGs (default: OUTPUT/report)")
     r.set_defaults(func=_report)
 
 
@@ -77,9 +79,11 @@ def _status(args: argparse.Namespace) -> int:
 
 def _report(args: argparse.Namespace) -> int:
     from dflash_stream.observe.report import PLOT_EVENTS, write_report
+    from dflash_stream.preflight import probe_writable
 
+    probe_writable(args.out or Path(args.output) / "report", "report --out")
     try:
-        paths = write_report(args.output)
+        paths = write_report(args.output, args.out)
     except FileNotFoundError as err:
         raise DFlashError(str(err)) from err
     for path in paths:

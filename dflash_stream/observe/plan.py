@@ -20,10 +20,8 @@ from dflash_stream.config import Config, ConfigError
 from dflash_stream.observe.memory import ASSUMED_VOCAB, TargetDims, memory_plan, render_memory, target_dims
 from dflash_stream.observe.units import fmt_bytes, fmt_count, fmt_duration
 
-# Measured on SmolLM2-135M states (README, Benchmarks); used until `tune` measures this target.
-DESIGN_RATIOS = {"lossless": 1.44, "fp8": 2.4, "none": 1.0}
+# The codec's design ratio (store/codecs.py, measured on SmolLM2-135M states) until `tune` measures this target.
 DESIGN_RATIO_NOTE = "measured on SmolLM2-135M states, README Benchmarks (run `tune` to measure this target)"
-ENCODE_BYTES_PER_S = 0.9e9  # lossless encode of raw bf16 states, one core (`bench store`)
 # Effective (not peak) throughput of one process when nothing was measured: H100-class bf16 at ~40 % MFU,
 # or two CPU cores (SmolLM2-135M forwards ~700 tokens/s there, `bench extract`).
 ASSUMED_FLOPS = {"gpu": 4.0e14, "cpu": 1.9e11}
@@ -31,7 +29,6 @@ ASSUMED_FLOPS = {"gpu": 4.0e14, "cpu": 1.9e11}
 # (96 GB-class parts such as H100 NVL and GH200 are faster), or two-channel DDR on a CPU.
 ASSUMED_BANDWIDTH = {"gpu": 2.4e12, "cpu": 2.0e10}
 PROMPT_SHARE = 1 / 3  # assumed prompt part of a regenerated sample's tokens (chat and code answers run long)
-IDS_MASK_BYTES_PER_TOKEN = 5  # int32 token id + bool loss mask stored beside the states
 THIN_MARGIN = 0.2  # warn when the disk left after the budget is under this fraction of the budget
 
 PHASES = [
@@ -235,7 +232,8 @@ def build_plan(cfg: Config, samples: int | None = None, mean_tokens: float | Non
                processes: int | None = None, launch_file: str | None = None,
                gpu_memory: int | None = None) -> dict[str, Any]:
     """The whole plan as plain data (what `plan --json` prints)."""
-    from dflash_stream.pipeline.common import max_segment_raw_bytes
+    from dflash_stream.observe.store_cores import store_cores
+    from dflash_stream.store import codecs, sizes
     from dflash_stream.target_model import resolve_layer_ids
 
     launch = read_launch(launch_file, processes)
@@ -253,15 +251,16 @@ def build_plan(cfg: Config, samples: int | None = None, mean_tokens: float | Non
     codec = cfg.store.codec
     measured = (tune or {}).get("compression", {}).get(codec)
     ratio, ratio_source = (measured, f"measured by tune on {tune['tokens']:,} tokens") if measured else (
-        DESIGN_RATIOS[codec], DESIGN_RATIO_NOTE if codec != "none" else "raw uint16 (run tune to see what zstd still gains)")
-    raw_tok = len(layer_ids) * shape.hidden_size * 2
-    per_token = raw_tok + IDS_MASK_BYTES_PER_TOKEN
+        codecs.get(codec).design_ratio, DESIGN_RATIO_NOTE if codec != "none" else "raw uint16")
+    width = len(layer_ids) * shape.hidden_size
+    per_token = sizes.raw_bytes_per_token(width)
+    raw_tok = per_token - sizes.IDS_MASK_BYTES_PER_TOKEN
     stored_tok = per_token / ratio
     passes, reuse = cfg.extraction_passes, cfg.store.reuse
     volume = {
         "codec": codec, "ratio": ratio, "ratio_source": ratio_source,
         "raw_bytes_per_token": raw_tok, "stored_bytes_per_token": stored_tok,
-        "ids_mask_bytes_per_token": IDS_MASK_BYTES_PER_TOKEN,
+        "ids_mask_bytes_per_token": sizes.IDS_MASK_BYTES_PER_TOKEN,
         "raw_bytes_per_sample": raw_tok * mean, "stored_bytes_per_sample": stored_tok * mean,
         "full_dump_raw_bytes": per_token * tokens if tokens else None,
         "full_dump_stored_bytes": stored_tok * tokens if tokens else None,
@@ -270,7 +269,9 @@ def build_plan(cfg: Config, samples: int | None = None, mean_tokens: float | Non
     budget = int(cfg.store.budget)
     segment_raw = int(cfg.store.segment_bytes)
     segment_stored = segment_raw / ratio
-    min_budget = 2 * max_segment_raw_bytes(cfg, len(layer_ids), shape.hidden_size)
+    # The one rule `Store.open` applies too: below it, opening the store is refused.
+    largest = sizes.max_segment_raw_bytes(int(cfg.store.segment_bytes), cfg.data.max_length, width)
+    min_budget = sizes.smallest_budget(cfg.store.path, largest, width, codec)
     written = volume["full_dump_stored_bytes"] * passes if tokens else None
     buffer = {
         "budget_bytes": budget, "segment_raw_bytes": segment_raw, "segment_stored_bytes": segment_stored,
@@ -281,8 +282,8 @@ def build_plan(cfg: Config, samples: int | None = None, mean_tokens: float | Non
         "min_budget_bytes": min_budget,
     }
     if budget < min_budget:
-        warnings.append(f"store.budget {fmt_bytes(budget)} is under two worst-case segments "
-                        f"({fmt_bytes(min_budget)}): a writer and a reader cannot both hold one")
+        warnings.append(f"store.budget {fmt_bytes(budget)} is under the smallest workable budget "
+                        f"({fmt_bytes(min_budget)}, one worst-case segment): opening the store will be refused")
     elif budget < 4 * segment_stored:
         warnings.append(f"store.budget holds only {buffer['segments_in_budget']} segments: the trainer will "
                         "often wait for the extractor; lower store.segment_bytes or raise the budget")
@@ -318,6 +319,7 @@ def build_plan(cfg: Config, samples: int | None = None, mean_tokens: float | Non
         "phases": [{"name": n, "produces": p} for n, p in PHASES],
         "volume": volume, "buffer": buffer, "disk": disk, "time": time_plan, "roles": roles, "memory": memory,
         "epochs": _epoch_costs(cfg, time_plan, volume, tokens),
+        "store_cores": store_cores(codec, width, time_plan, tune),
         "warnings": warnings,
     }
 
@@ -436,6 +438,8 @@ def plan_roles(cfg: Config, processes: int, allow_download: bool = False) -> dic
 
 def _time_plan(cfg: Config, shape: TargetShape, layer_ids: list[int], work: dict[str, Any], roles: dict[str, Any],
                samples: int | None, tokens: float | None, processes: int, tune: dict | None) -> dict[str, Any]:
+    from dflash_stream.store import codecs
+
     overlapped = roles["mode"] == "split"
     extractors, trainers = roles["extractors"], roles["trainers"]
     regen = work["regenerate"]
@@ -448,8 +452,8 @@ def _time_plan(cfg: Config, shape: TargetShape, layer_ids: list[int], work: dict
         "extract": {"tok_s_per_process": work["extract_tok_s"], "processes": extractors,
                     "source": work["extract_source"]},
         "train": {"tok_s_per_process": work["train_tok_s"], "processes": trainers, "source": work["train_source"]},
-        "store": {"encode_bytes_per_s": ENCODE_BYTES_PER_S,
-                  "source": "`bench store` (lossless encode, one core); runs beside the forward"},
+        "store": {"encode_bytes_per_s": codecs.get(cfg.store.codec).design_encode_bytes_per_core_s,
+                  "source": "`bench store` (encode, one core); runs beside the forward"},
         "export": {"source": "seconds: the drafter's weights and config.json, once at the end"},
     }
     written = (tune or {}).get("write_bytes_per_s", {}).get(cfg.store.codec)
@@ -492,6 +496,8 @@ def _epoch_costs(cfg: Config, time_plan: dict, volume: dict, tokens: float | Non
 
 def render_plan(plan: dict[str, Any]) -> str:
     """The plan as a terminal page."""
+    from dflash_stream.observe.store_cores import render_store_cores
+
     t, d, v, b, disk, tp = (plan[k] for k in ("target", "data", "volume", "buffer", "disk", "time"))
     out = [
         f"target  {t['model']}: {t['num_layers']} layers, hidden {t['hidden_size']}  [{t['source']}]",
@@ -550,6 +556,7 @@ def render_plan(plan: dict[str, Any]) -> str:
         c = e[name]
         out.append(f"  {name:<10} extraction {fmt_duration(c['extract_seconds'])}, writes "
                    f"{fmt_bytes(c['bytes_written'])}: {c['note']}")
+    out += render_store_cores(plan["store_cores"])
     out += [f"\nwarning: {w}" for w in plan["warnings"]]
     return "\n".join(out)
 

@@ -21,6 +21,7 @@ from dflash_stream.log import get_logger, setup_logging
 from dflash_stream.observe.metrics import MetricsWriter, TrainingTracker, peak_store_bytes
 from dflash_stream.pipeline.common import open_store, save_resolved_config, store_layout
 from dflash_stream.pipeline.roles import RoleInfo, assign_role, init_distributed, resolve_launch
+from dflash_stream.preflight import check_run_paths
 from dflash_stream.rundir import RunDir, write_atomic
 from dflash_stream.target_model import resolve_device
 
@@ -161,8 +162,9 @@ def run_role(cfg: Config, role: RoleInfo, store, metrics: MetricsWriter, device:
     if role.role == "extractor":
         from dflash_stream.pipeline.extractor import Extractor
 
-        extractor = Extractor(cfg, role, store, metrics, device)
-        extractor.run()
+        with store.heartbeat(f"extractor-{role.index}"):  # from before the target loads
+            extractor = Extractor(cfg, role, store, metrics, device)
+            extractor.run()
         return _extractor_fields(extractor), True
     from dflash_stream.pipeline.trainer import Trainer
 
@@ -175,6 +177,7 @@ def run_role(cfg: Config, role: RoleInfo, store, metrics: MetricsWriter, device:
 def run_command(args: argparse.Namespace) -> int:
     started = time.time()
     cfg = load_config(args.config, args.overrides)
+    check_run_paths(cfg)  # before anything is written
     chosen_by = resolve_launch(cfg)
     role = assign_role(cfg)
     setup_logging(role.role, role.index, show_bar=role.speaks_for_role)
