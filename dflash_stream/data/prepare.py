@@ -13,6 +13,7 @@ from dflash_stream.data.report import DataReport
 from dflash_stream.data.sources import RowRef, load_source, plan_rows, shard, source_name
 from dflash_stream.data.template import ChatEncoder
 from dflash_stream.log import get_logger
+from dflash_stream.rundir import RunDir
 
 log = get_logger(__name__)
 
@@ -104,5 +105,5 @@ def prepare_shard(cfg: Config, tokenizer, shard_index: int, shard_count: int
     if refs and not samples:
         reasons = ", ".join(f"{reason} {n}" for reason, n in sorted(report.skipped.items()))
         raise ConfigError(f"data.sources: no usable row among the {len(refs)} of shard {shard_index} ({reasons}); "
-                          f"see {cfg.output_dir}/data/report-{shard_index}.json")
+                          f"see {RunDir(cfg.output_dir).data_report(shard_index)}")
     return samples, report

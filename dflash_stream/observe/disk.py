@@ -46,6 +46,11 @@ SMALL_FILES_BYTES = 2 * 2**20
 """summary.json, config.yaml, eval.json, the report PNGs, summary parts."""
 
 
+def trainer_count(cfg: Config) -> int:
+    """roles.trainers, where `auto` is not resolved yet: one (more trainers only shorten the metrics)."""
+    return cfg.roles.trainers if isinstance(cfg.roles.trainers, int) else 1
+
+
 @dataclass
 class DrafterShape:
     """What decides the drafter's parameter count; `source` says where the widths came from."""
@@ -98,7 +103,7 @@ def checkpoint_bytes(cfg: Config, params: int, claim_samples: float = 0.0) -> in
     """One checkpoint on disk: weights, optimizer moments, each trainer's part (RNG states and the claims it
     holds, `claim_samples` sample ids at most), a few small files."""
     moments = 2 * params * DTYPE_BYTES[cfg.train.optimizer_state_dtype]
-    parts = cfg.roles.trainers * (RNG_STATE_BYTES + 2 * SAMPLE_ID_BYTES * claim_samples + FILE_BLOCK)
+    parts = trainer_count(cfg) * (RNG_STATE_BYTES + 2 * SAMPLE_ID_BYTES * claim_samples + FILE_BLOCK)
     # safetensors/pickle headers (~100 B per tensor), drafter_spec.json, COMPLETE, the folder itself
     return int(params * WEIGHT_BYTES + moments + parts + 400 * (12 * cfg.drafter.num_layers + 4) + 4 * FILE_BLOCK)
 
@@ -109,7 +114,7 @@ def run_parts(cfg: Config, params: int, samples: int | None, mean_tokens: float,
     epochs = cfg.train.epochs
     data = metrics = 0
     if samples:
-        data = samples * SAMPLE_ID_BYTES + FILE_BLOCK * cfg.roles.trainers
+        data = samples * SAMPLE_ID_BYTES + FILE_BLOCK * trainer_count(cfg)
         if cfg.data.regenerate:
             response = min(mean_tokens, cfg.data.generation.max_new_tokens)
             data += int(samples * response * RESPONSE_TOKEN_BYTES)
@@ -117,7 +122,7 @@ def run_parts(cfg: Config, params: int, samples: int | None, mean_tokens: float,
     if total_steps:
         slots = cfg.drafter.block_size - 1
         events = total_steps // cfg.train.log_every + 1
-        metrics += events * (TRAIN_EVENT_BYTES + 20 * slots) * cfg.roles.trainers
+        metrics += events * (TRAIN_EVENT_BYTES + 20 * slots) * trainer_count(cfg)
         if cfg.metrics.tensorboard:
             metrics += events * (7 + slots) * 64
     if segment_uses:

@@ -212,14 +212,14 @@ def build_figures(events: Events) -> dict[str, Figure]:
     return {name: fig for name, fig in figures.items() if fig is not None}
 
 
-def write_report(output_dir: str | Path) -> list[Path]:
-    """Write OUTPUT/report/<plot>.png for each plot with data; the paths written."""
+def write_report(output_dir: str | Path, folder: str | Path | None = None) -> list[Path]:
+    """Write <plot>.png for each plot with data into `folder` (default OUTPUT/report); the paths written."""
     run = RunDir(output_dir)
     events = read_metrics(run.root)
     if not events:
         raise FileNotFoundError(f"no metrics in {run.metrics}: nothing to plot")
-    folder = run.report
-    folder.mkdir(exist_ok=True)
+    folder = Path(folder) if folder is not None else run.report
+    folder.mkdir(parents=True, exist_ok=True)
     paths = []
     for name, fig in build_figures(events).items():
         path = folder / f"{name}.png"

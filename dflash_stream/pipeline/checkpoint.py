@@ -19,9 +19,17 @@ import torch
 from dflash_stream.errors import DFlashError
 from dflash_stream.rundir import COMPLETE, RunDir, checkpoint_step, fsync, write_atomic
 
-__all__ = ["COMPLETE", "begin", "checkpoint_step", "complete_checkpoints", "drop_ledger_after",
-           "latest_checkpoint", "ledger_dir", "load", "load_torch", "optimizer_state", "publish", "save",
+__all__ = ["COMPLETE", "SHARED_STATE", "begin", "checkpoint_step", "complete_checkpoints", "drop_ledger_after",
+           "latest_checkpoint", "ledger_dir", "load", "load_torch", "optimizer_state", "publish", "rank_state_file", "save",
            "save_torch", "write_ledger"]
+
+SHARED_STATE = "trainer_state.pt"
+"""Optimizer, scheduler and the step's counters, written by rank 0."""
+
+
+def rank_state_file(rank: int | str) -> str:
+    """Each trainer rank's own state: its data position, random streams and sample count ("*": a glob)."""
+    return f"trainer-{rank}.pt"
 
 
 def complete_checkpoints(output_dir: str | Path) -> list[Path]:
@@ -52,9 +60,8 @@ def begin(output_dir: str | Path, step: int) -> Path:
     folders without COMPLETE, at any step) are discarded first: one checkpoint is written at a time, so at most
     `train.keep_checkpoints` + 1 exist on disk, as `plan` counts them."""
     run = RunDir(output_dir)
-    for path in run.checkpoints.glob("*step-*"):
-        if path.is_dir() and not (path / COMPLETE).is_file():
-            shutil.rmtree(path, ignore_errors=True)
+    for _, path in run.incomplete_checkpoints():
+        shutil.rmtree(path, ignore_errors=True)
     staging = run.staging(step)
     staging.mkdir(parents=True)
     return staging
@@ -100,9 +107,8 @@ def _prune(run: RunDir, keep: int) -> None:
     for old in complete[:-keep]:
         shutil.rmtree(old)
     oldest_kept = checkpoint_step(complete[-keep]) if len(complete) >= keep else 0
-    for path in run.checkpoints.glob("*step-*"):
-        step = path.name.removeprefix(".").removeprefix("step-").removesuffix(".tmp")
-        if step.isdigit() and int(step) < oldest_kept and not (path / COMPLETE).is_file():
+    for step, path in run.incomplete_checkpoints():
+        if step < oldest_kept:
             shutil.rmtree(path)
 
 
@@ -117,7 +123,7 @@ def save(output_dir: str | Path, step: int, rank: int, *, rank_state: dict[str, 
     barrier()
     staging = RunDir(output_dir).staging(step)
     write_ledger(output_dir, rank, step, ledger)
-    save_torch(rank_state, staging / f"trainer-{rank}.pt")
+    save_torch(rank_state, staging / rank_state_file(rank))
     if write_shared is not None:
         write_shared(staging)
     barrier()
@@ -130,13 +136,13 @@ def save(output_dir: str | Path, step: int, rank: int, *, rank_state: dict[str, 
 def load(path: Path, rank: int, trainers: int) -> tuple[dict[str, Any], dict[str, Any]]:
     """(shared state, this rank's state) of checkpoint `path`, refused in one line when it was written by
     another number of trainers (each rank's data position is in its own file)."""
-    parts = sorted(p.name for p in path.glob("trainer-*.pt"))
+    parts = sorted(p.name for p in path.glob(rank_state_file("*")))
     if len(parts) != trainers:
         raise DFlashError(
             f"checkpoint {path} was written by {len(parts)} trainer(s) but this launch has {trainers}; "
             "resume with the same number of trainers (roles.trainers)"
         )
-    return load_torch(path / "trainer_state.pt"), load_torch(path / f"trainer-{rank}.pt")
+    return load_torch(path / SHARED_STATE), load_torch(path / rank_state_file(rank))
 
 
 def write_ledger(output_dir: str | Path, index: int, step: int, entries: list[dict[str, Any]]) -> Path:

@@ -33,7 +33,8 @@ from dflash_stream.pipeline.common import (
     store_layout,
 )
 from dflash_stream.pipeline.roles import RoleInfo, assign_uniform
-from dflash_stream.store import Sample, Store, StoreFull
+from dflash_stream.preflight import check_run_paths
+from dflash_stream.store import Sample, Store, StoreFull, sizes
 from dflash_stream.target_model import load_target, resolve_device, resolve_layer_ids, text_config
 from dflash_stream.target_model.capture import LayerCapture
 from dflash_stream.target_model.regenerate import ResponseCache, generate_responses
@@ -68,13 +69,13 @@ _STOP = object()
 class _SegmentSink:
     """The background side: host copies, checks, segment packing and store writes."""
 
-    def __init__(self, writer, segment_bytes: int, bytes_per_token: int, queue_size: int, on_segment) -> None:
-        self.writer, self.segment_bytes, self.bytes_per_token = writer, segment_bytes, bytes_per_token
+    def __init__(self, writer, segment_bytes: int, width: int, queue_size: int, on_segment) -> None:
+        self.writer, self.segment_bytes, self.width = writer, segment_bytes, width
         self.on_segment = on_segment
         self.queue: queue.Queue = queue.Queue(maxsize=queue_size)
         self.pending: list[Sample] = []
         self.pending_pass = 0
-        self.pending_bytes = 0
+        self.pending_tokens = 0
         self.refused: list[tuple[int, list[Sample]]] = []
         """Segments a full buffer turned away (non-blocking mode), written first on the next run."""
         self.non_blocking = False
@@ -147,19 +148,19 @@ class _SegmentSink:
             self._add(item.pass_index, Sample(sample.sample_id, sample.input_ids, sample.loss_mask, states))
 
     def _add(self, pass_index: int, sample: Sample) -> None:
-        # A segment also stores each sample's id and offset (16 bytes) and one closing offset (8).
-        size = len(sample.input_ids) * self.bytes_per_token + 16
-        if self.pending and (pass_index != self.pending_pass or 8 + self.pending_bytes + size > self.segment_bytes):
+        tokens = self.pending_tokens + len(sample.input_ids)
+        full = sizes.raw_bytes(tokens, len(self.pending) + 1, self.width) > self.segment_bytes
+        if self.pending and (pass_index != self.pending_pass or full):
             self._flush()
         self.pending.append(sample)
         self.pending_pass = pass_index
-        self.pending_bytes += size
+        self.pending_tokens += len(sample.input_ids)
 
     def _flush(self) -> None:
         if not self.pending:
             return
         samples, pass_index = self.pending, self.pending_pass
-        self.pending, self.pending_bytes = [], 0
+        self.pending, self.pending_tokens = [], 0
         if self.refused:  # keep segments in order behind the one the buffer refused
             self.refused.append((pass_index, samples))
             return
@@ -184,7 +185,8 @@ class Extractor:
         self.samples, self.report = prepare_shard(cfg, self.tokenizer, role.index, role.count)
         self.cache = ResponseCache(cfg.output_dir, data_spec_digest(cfg), role.index) if cfg.data.regenerate else None
         self._dropped: dict[int, tuple[str, str]] = {}
-        self.bytes_per_token = len(self.layer_ids) * shape.hidden_size * 2 + 5  # bf16 states, int32 id, mask
+        width = len(self.layer_ids) * shape.hidden_size
+        self.bytes_per_token = sizes.raw_bytes_per_token(width)
         self.batch_tokens = cfg.extract.batch_tokens
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.samples_total = len(self.samples) * cfg.extraction_passes
@@ -195,7 +197,7 @@ class Extractor:
         self._generated_tokens, self._generate_seconds = 0, 0.0
         self.backpressure_seconds = self.extract_seconds = 0.0
         self.writer = store.writer(f"extractor-{role.index}")
-        self._sink = _SegmentSink(self.writer, int(cfg.store.segment_bytes), self.bytes_per_token,
+        self._sink = _SegmentSink(self.writer, int(cfg.store.segment_bytes), width,
                                   cfg.extract.queue_size, self._on_segment)
         self._work = self._plan()
         self._bar = None
@@ -425,6 +427,7 @@ class Extractor:
 
 def extract_command(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
+    check_run_paths(cfg)  # before anything is written
     role = assign_uniform("extractor")
     setup_logging("extractor", role.index, show_bar=role.speaks_for_role)
     device = resolve_device(cfg.target)
@@ -435,8 +438,10 @@ def extract_command(args: argparse.Namespace) -> int:
         save_resolved_config(cfg)
     metrics = MetricsWriter(cfg.output_dir, "extractor", role.index)
     metrics.log("start", config=cfg.model_dump(mode="json"))
-    extractor = Extractor(cfg, role, store, metrics, device)
-    extractor.run()
+    # From before the target loads: a trainer waiting on the store sees this extractor alive.
+    with store.heartbeat(f"extractor-{role.index}"):
+        extractor = Extractor(cfg, role, store, metrics, device)
+        extractor.run()
     summary = extractor.summary()
     metrics.log("end", summary=summary)
     metrics.close()
