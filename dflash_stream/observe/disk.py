@@ -130,7 +130,7 @@ def run_parts(cfg: Config, params: int, samples: int | None, mean_tokens: float,
     return {
         "store": int(cfg.store.budget),
         "checkpoints": (cfg.train.keep_checkpoints + 1) * checkpoint_bytes(cfg, params, samples_in_budget),
-        "export": params * WEIGHT_BYTES + 2 * FILE_BLOCK,
+        "export": params * WEIGHT_BYTES + 8 * FILE_BLOCK,  # + config.json and the modeling file it carries
         "data": data,
         "metrics": metrics + SMALL_FILES_BYTES,
     }
