@@ -4,17 +4,20 @@ Each part registers its own subcommands. Only the module of the command being ru
 commands (`status`, `store status`, `audit`, `plan`) start without importing torch.
 
 Exit codes: 0 success; 1 a check that ran and failed (audit, eval output differs, store verify); 2 a problem
-the user can fix, printed as one line (`DFlashError`: config, paths, store mismatch); 130 interrupted (Ctrl-C);
-143 stopped by SIGTERM after a checkpoint (rerun to resume). Only this module prints errors.
+the user can fix, printed as one line (`DFlashError`: config, paths, store mismatch; or an OSError on a path);
+130 interrupted (Ctrl-C); 141 the reader of stdout left early (`| head`, quietly); 143 stopped by SIGTERM after
+a checkpoint (rerun to resume). Only this module prints errors.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
-from dflash_stream.errors import DFlashError
+from dflash_stream import __version__
+from dflash_stream.errors import DFlashError, os_error_line
 
 # command -> the module whose `register(subparsers)` defines it (a module may define several commands)
 COMMANDS = {
@@ -36,6 +39,7 @@ BENCHES = {
     "extract": "dflash_stream.bench.extract",
     "pipeline": "dflash_stream.bench.pipeline",
     "compile": "dflash_stream.bench.compile",
+    "memory": "dflash_stream.bench.memory",
 }
 
 
@@ -49,6 +53,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(prog="dflash-stream", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"dflash-stream {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     modules = _requested(argv, COMMANDS | {"bench": ""})
     for name in modules:
@@ -73,12 +78,22 @@ def main(argv: list[str] | None = None) -> int:
     if hasattr(args, "overrides"):
         args.overrides = extra
     try:
-        return args.func(args) or 0
+        code = args.func(args) or 0
+        sys.stdout.flush()  # inside the try: a reader that left early is handled below, not at exit
+        return code
     except DFlashError as err:
         print(f"dflash-stream: error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # The reader went away (`status --json | head`): what is left to print goes nowhere, quietly,
+        # including the interpreter's final flush of stdout.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
+    except OSError as err:  # a path the user named cannot be read or written: one line, not a traceback
+        print(f"dflash-stream: error: {os_error_line(err)}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -7,3 +7,9 @@ class DFlashError(Exception):
 
 class ConfigError(DFlashError, ValueError):
     """A configuration problem, phrased as one line naming the key."""
+
+
+def os_error_line(err: OSError) -> str:
+    """An OSError as one line: the path and the system's reason."""
+    path = f" {err.filename}" if err.filename else ""
+    return f"cannot access{path}: {err.strerror or err}"

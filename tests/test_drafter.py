@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import warnings
@@ -25,6 +26,7 @@ from dflash_stream.drafter import (
     sample_anchors,
     save_checkpoint_drafter,
 )
+from dflash_stream.drafter.export import zlab_config
 from dflash_stream.drafter.loss import eligible_anchors
 from dflash_stream.target_model import load_target_config
 
@@ -256,6 +258,83 @@ def test_loss_backpropagates_only_into_drafter(tiny):
     assert not head.embed_weight.requires_grad and head.embed_weight.grad is None
 
 
+def _pinned_case(chunk_rows):
+    """A seeded drafter, head and ragged batch; (loss output, two gradient figures) after backward."""
+    from dflash_stream.drafter import TargetHead
+
+    torch.manual_seed(0)
+    spec = small_spec()
+    drafter = DFlashDrafter(spec)
+    head = TargetHead(torch.randn(spec.vocab_size, spec.hidden_size, generator=torch.Generator().manual_seed(1)))
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, spec.vocab_size, (3, 40), generator=g)
+    mask = torch.rand(3, 40, generator=g) > 0.2
+    lengths = torch.tensor([40, 33, 25])
+    for row, length in enumerate(lengths.tolist()):
+        mask[row, length:] = False
+    batch = {"hidden_states": features(3, 40, spec, seed=3), "input_ids": ids, "loss_mask": mask, "lengths": lengths}
+    out = dflash_loss(drafter, head, batch, num_anchors=6, gamma=7.0, generator=torch.Generator().manual_seed(4),
+                      chunk_rows=chunk_rows)
+    out.loss.backward()
+    grads = (drafter.fc.weight.grad.double().norm().item(), drafter.layers[1].mlp.down_proj.weight.grad.double().sum().item())
+    return out, grads
+
+
+@pytest.mark.parametrize("chunk_rows", [None, 5, 2048])
+def test_loss_numbers_pinned_across_the_chunked_head(chunk_rows):
+    """Loss, weight, per-slot counts and two gradient figures as the unchunked loss computed them before the LM
+    head was chunked (same seeds), for the plain path, small ragged chunks and one chunk."""
+    out, (fc_norm, down_sum) = _pinned_case(chunk_rows)
+    assert out.loss.item() == pytest.approx(26.7116756439209, rel=1e-5)
+    assert out.weight.item() == pytest.approx(33.54747772216797, rel=1e-6)
+    assert out.count.tolist() == [18.0, 11.0, 8.0] and out.correct.tolist() == [0.0, 0.0, 0.0]
+    assert fc_norm == pytest.approx(0.4382434939895425, rel=1e-5)
+    assert down_sum == pytest.approx(0.0037780456925631256, rel=1e-5)
+
+
+@pytest.mark.parametrize("rows, chunk_rows", [(300, 64), (300, 1), (300, 300), (300, 1000), (0, 16)])
+def test_chunked_head_loss_equals_unchunked_in_float32(rows, chunk_rows):
+    """Same weighted CE sum, argmax hits and input gradient (float32, <= 1e-5 relative) as plain autograd."""
+    from dflash_stream.drafter.loss import head_cross_entropy
+
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randn(500, 24, generator=g)
+    target = torch.randint(0, 500, (rows,), generator=g)
+    w = torch.rand(rows, generator=g)
+    base = torch.randn(rows, 24, generator=g) * 3
+    results = []
+    for chunk in (None, chunk_rows):
+        hidden = base.clone().requires_grad_(True)
+        total, hits = head_cross_entropy(hidden, weight, target, w, chunk)
+        (total * 1.7).backward()  # a non-unit upstream gradient
+        results.append((total.detach(), hits, hidden.grad))
+    (ref, ref_hits, ref_grad), (got, got_hits, got_grad) = results
+    assert torch.equal(ref_hits, got_hits) and got_hits.dtype == torch.bool
+    assert got.item() == pytest.approx(ref.item(), rel=1e-5, abs=1e-6)
+    assert got_grad.shape == ref_grad.shape == (rows, 24)
+    if rows:
+        assert float((got_grad - ref_grad).abs().max()) <= 1e-5 * float(ref_grad.abs().max())
+
+
+def test_chunked_head_loss_keeps_the_heads_dtype():
+    """A bf16 head computes its chunks in bf16, forward and backward, and hands back a gradient in the rows'
+    own dtype; the frozen head gets none."""
+    from dflash_stream.drafter.loss import head_cross_entropy
+
+    g = torch.Generator().manual_seed(1)
+    weight = torch.randn(64, 16, generator=g).to(torch.bfloat16)
+    hidden = torch.randn(10, 16, generator=g).requires_grad_(True)
+    target = torch.randint(0, 64, (10,), generator=g)
+    total, _ = head_cross_entropy(hidden, weight, target, torch.ones(10), 3)
+    total.backward()
+    assert total.dtype == torch.float32 and hidden.grad.dtype == torch.float32 and weight.grad is None
+    ref_hidden = hidden.detach().clone().requires_grad_(True)
+    ref, _ = head_cross_entropy(ref_hidden, weight, target, torch.ones(10), None)
+    ref.backward()
+    assert total.item() == pytest.approx(ref.item(), rel=1e-3)
+    assert torch.allclose(hidden.grad, ref_hidden.grad, rtol=2e-2, atol=1e-3)
+
+
 def test_expected_acceptance():
     assert expected_acceptance([]) == 1.0
     assert expected_acceptance([1.0, 1.0, 1.0]) == 4.0
@@ -352,3 +431,96 @@ def test_export_command_from_checkpoint(tiny, tmp_path, capsys):
             assert torch.equal(drafter_state(reloaded)[name], t)
     assert main(["export", str(tmp_path / "nothing"), "--out", str(tmp_path / "x")]) == 2  # a user-fixable error (README: exit codes)
     assert "neither a trainer checkpoint" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------- rope scaling, transformers loading
+
+ROPE_SCALINGS = {
+    "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64},
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128},
+}
+
+
+def test_plain_rope_frequencies_are_pinned():
+    """Without rope_scaling the drafter keeps its original RoPE: theta^(-2i/Dh), cos/sin unscaled."""
+    drafter = DFlashDrafter(small_spec())
+    assert drafter.rotary.scale == 1.0
+    assert drafter.rotary.inv_freq.tolist() == pytest.approx([1.0, 0.1, 0.01, 0.001], rel=1e-6)
+    config = zlab_config(small_spec())
+    assert config["rope_scaling"] is None and config["rope_parameters"] == {"rope_type": "default",
+                                                                           "rope_theta": 10000.0}
+
+
+@torch.no_grad()
+def test_plain_rope_drafter_output_is_pinned():
+    """Numbers recorded before rope_scaling support: a target without scaling drafts exactly as before."""
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(small_spec(), attention="sdpa").eval()
+    g = torch.Generator().manual_seed(1)
+    ctx, emb = torch.randn(1, 12, 64, generator=g), torch.randn(1, 4, 32, generator=g)
+    out = drafter(emb, torch.arange(12, 16)[None], drafter.context_kv(ctx, torch.arange(12)[None]))
+    assert out.double().sum().item() == pytest.approx(-3.288314669393003, rel=1e-5)
+    assert out[0, 1, :4].tolist() == pytest.approx([0.97104543, -0.05394808, -1.19594646, 0.59952575], rel=1e-5)
+
+
+@pytest.mark.parametrize("kind", sorted(ROPE_SCALINGS))
+def test_drafter_rotary_equals_the_targets_scaled_rope(kind, tiny_target_dir, tmp_path):
+    """Training and decoding (the drafter's Rotary) and the export (config.json read by transformers' Qwen3
+    rotary embedding, as z-lab's loader does) all rotate with the target's own scaled frequencies."""
+    from transformers import AutoModel, LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    target_config = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+                                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                                rope_parameters={**ROPE_SCALINGS[kind], "rope_theta": 50000.0})
+    spec = build_spec(make_cfg(tiny_target_dir, mask_token_id=0), target_config, LAYERS)
+    assert spec.rope_scaling["rope_type"] == kind and spec.rope_theta == 50000.0
+    positions = torch.arange(0, 900, 7)[None]
+    x = torch.zeros(1, positions.shape[1], 64)
+    want_cos, want_sin = LlamaRotaryEmbedding(target_config)(x, positions)
+    drafter = DFlashDrafter(spec).eval()
+    cos, sin = drafter.rotary(positions)
+    torch.testing.assert_close(cos[:, 0], want_cos)
+    torch.testing.assert_close(sin[:, 0], want_sin)
+    plain_cos, _ = DFlashDrafter(dataclasses.replace(spec, rope_scaling=None)).rotary(positions)
+    assert not torch.allclose(plain_cos[:, 0], want_cos, atol=1e-3)  # the scaling matters at these positions
+
+    out = export_drafter(drafter, spec, tmp_path / kind)
+    assert load_drafter(out)[1] == spec
+    loaded = AutoModel.from_pretrained(out, trust_remote_code=True)
+    cos, sin = loaded.rotary_emb(x, positions)
+    torch.testing.assert_close(cos, want_cos)
+    torch.testing.assert_close(sin, want_sin)
+
+
+@torch.no_grad()
+def test_export_loads_with_transformers_automodel(tiny, tmp_path):
+    """The export's auto_map + dflash.py: AutoModel(trust_remote_code) gives our drafter's hidden states, and
+    its spec_generate reproduces the target's greedy output."""
+    from transformers import AutoModel
+
+    from dflash_stream.drafter.speculative import greedy_generate
+
+    spec, head, target = tiny
+    torch.manual_seed(5)
+    drafter = DFlashDrafter(spec).eval()
+    for p in drafter.parameters():
+        p.add_(0.01 * torch.randn_like(p))
+    out = export_drafter(drafter, spec, tmp_path / "export")
+    config = json.loads((out / "config.json").read_text())
+    assert config["auto_map"] == {"AutoModel": "dflash.DFlashDraftModel"} and (out / "dflash.py").is_file()
+    loaded = AutoModel.from_pretrained(out, trust_remote_code=True).eval()
+    assert type(loaded).__name__ == "DFlashDraftModel"
+
+    ctx = features(1, 10, spec)
+    block = torch.tensor([[5, spec.mask_token_id, spec.mask_token_id, spec.mask_token_id]])
+    ours = head.logits(drafter(head.embed(block), torch.arange(10, 14)[None],
+                               drafter.context_kv(ctx, torch.arange(10)[None])))
+    theirs = head.logits(loaded(torch.arange(14)[None], head.embed(block), ctx))
+    torch.testing.assert_close(theirs, ours)
+
+    prompt = torch.tensor([[1, 422, 3055, 314, 253, 1234, 28]])
+    want = greedy_generate(target, prompt, 12, set()).tokens
+    got = loaded.spec_generate(target, prompt, max_new_tokens=12, stop_token_ids=[])
+    assert got[0, prompt.shape[1]:].tolist() == want

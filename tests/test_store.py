@@ -27,6 +27,7 @@ from dflash_stream.store import (
     StoreFull,
     codecs,
     segment,
+    sizes,
 )
 from dflash_stream.store.budget import SLACK_BLOCKS, du
 
@@ -51,7 +52,7 @@ def make_samples(ids: list[int], lengths: list[int], seed: int = 0) -> list[Samp
 
 
 def open_store(path: Path, codec: str = "lossless", budget: int = 10**9, reuse: int = 1, **kw) -> Store:
-    return Store.open(path, budget=budget, codec=codec, reuse=reuse, fingerprint={**FP, "codec": codec},
+    return Store.open(path, budget=budget, codec=codec, reuse=reuse, fingerprint=kw.pop("fingerprint", {**FP, "codec": codec}),
                       max_segment_raw_bytes=kw.pop("max_raw", MAX_RAW), **kw)
 
 
@@ -117,7 +118,7 @@ def test_flipped_byte_names_segment_and_chunk(tmp_path, small_chunks):
         store.consumer("c", keep=[claim.segment_id]).read(claim)
 
 
-@pytest.mark.parametrize("codec", codecs.CODECS)
+@pytest.mark.parametrize("codec", codecs.names())
 def test_segments_are_zarr_v3_that_zarr_itself_decodes(tmp_path, small_chunks, codec):
     """The store codes chunks itself; zarr's own pipeline (zstd, crc32c check) must read the same arrays."""
     import zarr
@@ -126,9 +127,9 @@ def test_segments_are_zarr_v3_that_zarr_itself_decodes(tmp_path, small_chunks, c
     store, claim, got = round_trip(tmp_path, codec, samples)
     group = zarr.open_group(store.path / "segments" / claim.segment_id, mode="r", zarr_format=3)
     assert group.attrs["format"] == segment.FORMAT and group.attrs["codec"] == codec
-    arrays = {name: group[name][...] for name in codecs.state_arrays(codec)}
+    arrays = {name: group[name][...] for name in codecs.get(codec).arrays()}
     assert max(group[name].nchunks for name in arrays) > 1  # several chunks, the last one padded
-    states = codecs.decode_states(codec, arrays, len(LAYERS))
+    states = codecs.get(codec).decode(arrays, len(LAYERS))
     assert torch.equal(states.view(torch.int16), torch.cat([s.hidden_states for s in got]).view(torch.int16))
     assert group["sample_ids"][...].tolist() == [11, 5, 42]
     assert group["input_ids"][...].tolist() == np.concatenate([s.input_ids for s in samples]).tolist()
@@ -136,20 +137,19 @@ def test_segments_are_zarr_v3_that_zarr_itself_decodes(tmp_path, small_chunks, c
 
 def test_damaged_compressed_chunk_is_named(tmp_path, small_chunks):
     store, claim, _ = round_trip(tmp_path, "lossless", make_samples([1], [64]))
-    chunk = store.path / "segments" / claim.segment_id / "hidden_hi" / "c.1.0.0"
+    chunk = store.path / "segments" / claim.segment_id / "hidden_hi" / "c.1.0"
     data = bytearray(chunk.read_bytes())
     data[3] ^= 0x01
     chunk.write_bytes(bytes(data))
-    with pytest.raises(CorruptChunk, match=rf"segment {claim.segment_id}: chunk hidden_hi/c\.1\.0\.0 is corrupt"):
+    with pytest.raises(CorruptChunk, match=rf"segment {claim.segment_id}: chunk hidden_hi/c\.1\.0 is corrupt"):
         store.consumer("c", keep=[claim.segment_id]).read(claim)
     chunk.write_bytes(bytes(data[:2]))  # shorter than a checksum
-    with pytest.raises(CorruptChunk, match=r"chunk hidden_hi/c\.1\.0\.0 is corrupt \(checksum mismatch\)"):
+    with pytest.raises(CorruptChunk, match=r"chunk hidden_hi/c\.1\.0 is corrupt \(checksum mismatch\)"):
         store.consumer("c", keep=[claim.segment_id]).read(claim)
 
 
 @pytest.mark.parametrize(("layers", "hidden"), [([0, 2], 12), ([4], 7), ([1, 2, 3], 96)])
 def test_lossless_is_exact_for_any_width(tmp_path, small_chunks, layers, hidden):
-    """Widths that 32 does not divide get smaller channel groups (8, 1, and 32 again here)."""
     g = torch.Generator().manual_seed(1)
     width = len(layers) * hidden
     samples = [Sample(i, np.arange(n, dtype=np.int32), np.ones(n, dtype=bool),
@@ -181,13 +181,13 @@ def test_fp8_removes_channel_offsets_and_keeps_peaks_exact(tmp_path):
                        massive.view(torch.int16))
 
 
-@pytest.mark.parametrize("codec", codecs.CODECS)
+@pytest.mark.parametrize("codec", codecs.names())
 def test_disk_bound_holds_for_a_largest_segment(tmp_path, codec):
     """`disk_bound` is what the smallest workable budget rests on: a largest segment never takes more."""
     store = open_store(tmp_path / codec, codec)
     tokens = MAX_RAW // (WIDTH * 2 + 5)
     info = store.writer("w").write(make_samples([1], [tokens]))
-    assert info.bytes <= segment.disk_bound(MAX_RAW, tokens, WIDTH, store.block, codec)
+    assert info.bytes <= sizes.disk_bound(MAX_RAW, tokens, WIDTH, store.block, codec)
 
 
 @pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan"), -float("nan")])
@@ -270,10 +270,44 @@ def test_full_store_blocks_with_one_line_then_resumes(tmp_path, caplog):
         assert not done.is_set() and c.writers_waiting()
         c.release([c.claim(timeout=1)])
         t.join(timeout=10)
+        w.finish()
     assert done.is_set() and not c.writers_waiting() and w.waited_seconds > 0.3
-    waits = [r.message for r in caplog.records if "waits for the trainer" in r.message]
+    waits = [r.message for r in caplog.records if "held back by the full buffer (" in r.message]
     assert len(waits) == 1 and "bytes needed" in waits[0]
-    assert any("resumes after waiting" in r.message for r in caplog.records)
+    assert any("no longer held back: it waited" in r.message for r in caplog.records)
+
+
+def test_backpressure_logs_state_changes_and_reminders_not_every_wait(monkeypatch):
+    """134 waits make one line when the buffer starts holding the writer back, a reminder every
+    REMIND_SECONDS, and one line once writes flow freely again (a fake clock drives it)."""
+    from dflash_stream.store import backpressure
+
+    clock = [1000.0]
+    monkeypatch.setattr(backpressure.time, "monotonic", lambda: clock[0])
+    lines: list[str] = []
+
+    class Capture(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(record.getMessage())
+
+    logger = logging.getLogger("test.backpressure")
+    logger.addHandler(Capture())
+    logger.setLevel(logging.INFO)
+    pressure = backpressure.BackpressureLog(logger, "extractor-0", remind_seconds=100.0)
+    for i in range(134):  # a wait of 3 s every 5 s; every other write finds room at once
+        pressure.blocked("used 9 of 10 bytes")
+        clock[0] += 3.0
+        pressure.resumed(3.0)
+        clock[0] += 2.0
+        if i % 2:
+            pressure.flowing()  # within QUIET_SECONDS of the last wait: still the same spell
+    assert len(lines) == 1 + 134 * 5 // 100 and "held back by the full buffer (used 9 of 10 bytes)" in lines[0]
+    assert all("still held back by the full buffer" in line for line in lines[1:])
+    clock[0] += backpressure.QUIET_SECONDS
+    pressure.flowing()
+    assert lines[-1] == "writer extractor-0 no longer held back: it waited 402.0 s over 134 write(s) in 730 s"
+    pressure.flowing(final=True)
+    assert len(lines) == 1 + 6 + 1
 
 
 def test_budget_too_small_gives_the_smallest_workable_figure(tmp_path):
@@ -292,12 +326,34 @@ def test_unknown_codec(tmp_path):
 
 
 def test_fingerprint_mismatch_names_the_field(tmp_path):
-    open_store(tmp_path / "s")
-    with pytest.raises(FingerprintMismatch, match=r"fingerprint.max_length=256 but this run has fingerprint.max_length=512"):
+    open_store(tmp_path / "s").writer("w").write(make_samples([1], [8]))
+    with pytest.raises(FingerprintMismatch, match=r"maximum lengths \(data.max_length\) differ: stored 256, "
+                                                  r"this run 512; .*\(1 segment\(s\) published in it\)"):
         Store.open(tmp_path / "s", budget=10**9, codec="lossless", reuse=1, fingerprint={**FP, "max_length": 512},
                    max_segment_raw_bytes=MAX_RAW)
-    with pytest.raises(FingerprintMismatch, match="reuse=1 but this run has reuse=3"):
+    with pytest.raises(FingerprintMismatch, match=r"uses per segment \(store.reuse\) differ: stored 1, this run 3"):
         open_store(tmp_path / "s", reuse=3)
+    # A digest is explained by its detail: the subfield that differs, in words, not two hashes.
+    detailed = {**FP, "data_spec": "aaaa", "data_spec_detail": {"sources": ["a.jsonl"], "seed": 0}}
+    open_store(tmp_path / "d", fingerprint=detailed).writer("w").write(make_samples([1], [8]))
+    other = {**detailed, "data_spec": "bbbb", "data_spec_detail": {"sources": ["a.jsonl", "b.jsonl"], "seed": 0}}
+    with pytest.raises(FingerprintMismatch, match=r"data sources \(data.sources\) differ: stored \['a.jsonl'\], "
+                                                  r"this run \['a.jsonl', 'b.jsonl'\]"):
+        open_store(tmp_path / "d", fingerprint=other)
+
+
+def test_empty_store_takes_the_new_fingerprint(tmp_path):
+    """A run that failed before its first segment must not lock the corrected rerun out; a reader (create=False,
+    as `train`) never rewrites it, and once a segment exists the store is refused."""
+    open_store(tmp_path / "s")
+    with pytest.raises(FingerprintMismatch, match="maximum lengths"):
+        open_store(tmp_path / "s", fingerprint={**FP, "max_length": 512}, create=False)
+    store = open_store(tmp_path / "s", fingerprint={**FP, "max_length": 512})
+    assert store.fingerprint["max_length"] == 512
+    assert json.loads((tmp_path / "s" / "store.json").read_text())["fingerprint"]["max_length"] == 512
+    store.writer("w").write(make_samples([1], [8]))
+    with pytest.raises(FingerprintMismatch, match="stored 512, this run 256"):
+        open_store(tmp_path / "s")
 
 
 def test_missing_directory(tmp_path):
@@ -369,3 +425,53 @@ def test_status_and_dump_commands(tmp_path, capsys):
     assert dumped["input_ids"].tolist() == samples[1].input_ids.tolist()
     assert main(["store", "dump", str(store.path), "--sample-id", "99", "--out", str(out)]) == 2  # a user-fixable error (README: exit codes)
     assert "sample 99 is not in the store" in capsys.readouterr().err
+
+
+def test_claim_publish_release_cost_the_same_after_many_segments(tmp_path, monkeypatch):
+    """Records and release markers accumulate (the audit reads them), but one publish, claim and release lists
+    and reads the same number of directory entries and records after 20 segments as after 150. Counted, not
+    timed: every entry any listing returns, and every record read."""
+    import contextlib
+
+    counts = {"entries": 0, "records": 0}
+    real_listdir, real_scandir, real_read = os.listdir, os.scandir, Path.read_text
+
+    def listdir(path):
+        out = real_listdir(path)
+        counts["entries"] += len(out)
+        return out
+
+    def scandir(path):
+        with real_scandir(path) as it:
+            entries = list(it)
+        counts["entries"] += len(entries)
+        return contextlib.nullcontext(entries)
+
+    def read_text(self, *args, **kwargs):
+        counts["records"] += self.parent.name == "info"
+        return real_read(self, *args, **kwargs)
+
+    store = open_store(tmp_path / "s")
+    writer = store.writer("w")
+    consumer = Store.attach(store.path).consumer("c")  # as in another process: no shared record cache
+    samples = make_samples([0], [2])
+
+    def cycle() -> dict[str, int]:
+        counts.update(entries=0, records=0)
+        writer.write(samples)
+        consumer.release([consumer.claim(timeout=1)])
+        return dict(counts)
+
+    def measured(n: int) -> dict[str, int]:
+        while len(list((store.path / "info").iterdir())) < n:
+            cycle()
+        with monkeypatch.context() as m:
+            m.setattr(os, "listdir", listdir)
+            m.setattr(os, "scandir", scandir)
+            m.setattr(Path, "read_text", read_text)
+            return cycle()
+
+    early, late = measured(20), measured(150)
+    assert late == early, (early, late)
+    assert early["records"] <= 1  # the consumer reads the new segment's record once
+    assert len(list((store.path / "done").iterdir())) == 151

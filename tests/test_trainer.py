@@ -379,3 +379,27 @@ def test_train_refuses_a_store_made_by_another_config_in_one_line(tmp_path, targ
     assert proc.returncode == 2, out[-2000:]
     errors = [line for line in out.splitlines() if line.startswith("dflash-stream: error:")]
     assert len(errors) == 1 and "max_length" in errors[0] and "Traceback" not in out
+
+
+def test_no_waiting_for_data_line_while_a_segment_is_ready_or_decoding(tmp_path, target_dir, samples, caplog):
+    import logging
+
+    cfg = make_config(tmp_path, target_dir, epochs=1)
+    store = open_store(cfg, LAYER_IDS, HIDDEN)
+    store.set_expected_writers(1)
+    store.writer("test-writer").write(samples[:5])
+    trainer = new_trainer(cfg)
+    logger = logging.getLogger("dflash_stream")
+    logger.addHandler(caplog.handler)  # setup_logging (run by other tests) stops propagation to the root
+    caplog.set_level(logging.INFO, logger="dflash_stream")
+    try:
+        trainer._wait_for_data()  # the segment is READY, or claimed by the reader and decoding: data on its way
+        assert not [r for r in caplog.records if "waiting for data" in r.getMessage()]
+        assert len(trainer.position) == 1
+        trainer._wait_for_data()  # now the store has nothing for us: that is a wait, said once
+        trainer._wait_for_data()
+    finally:
+        logger.removeHandler(caplog.handler)
+        trainer.close()
+    waits = {r.getMessage() for r in caplog.records if "waiting for data" in r.getMessage()}
+    assert len(waits) == 1 and "no segment ready in the store" in waits.pop()

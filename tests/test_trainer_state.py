@@ -118,3 +118,12 @@ def test_write_atomic_replaces_the_file_and_leaves_no_temporary(tmp_path):
     write_atomic(path, "old")
     write_atomic(path, "new", durable=True)
     assert path.read_text() == "new" and [p.name for p in tmp_path.iterdir()] == ["summary.json"]
+
+
+def test_write_then_rename_has_one_home():
+    """Every file replaced atomically goes through `rundir.write_atomic` (checkpoint folders and the store's
+    lifecycle moves are renames of their own, not file writes)."""
+    package = Path(__file__).resolve().parent.parent / "dflash_stream"
+    users = sorted(p.relative_to(package).as_posix() for p in package.rglob("*.py")
+                   if "os.replace(" in p.read_text() or "tmp.replace(" in p.read_text())
+    assert users == ["rundir.py"]

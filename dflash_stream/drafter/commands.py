@@ -11,9 +11,10 @@ from dflash_stream.errors import DFlashError
 
 def _checkpoint_dir(path: Path) -> Path:
     """A checkpoint directory itself, or a run's output folder (its latest complete checkpoint)."""
+    from dflash_stream.drafter.export import SPEC
     from dflash_stream.rundir import RunDir
 
-    if (path / "drafter_spec.json").is_file():
+    if (path / SPEC).is_file():
         return path
     latest = RunDir(path).latest_checkpoint() if path.is_dir() else None
     if latest is None:
@@ -22,14 +23,21 @@ def _checkpoint_dir(path: Path) -> Path:
 
 
 def _export(args: argparse.Namespace) -> int:
+    from safetensors import SafetensorError
+
     from dflash_stream.drafter.export import export_drafter, load_checkpoint_drafter
+    from dflash_stream.preflight import probe_writable
 
     ckpt = _checkpoint_dir(Path(args.checkpoint))
     try:
         drafter, spec = load_checkpoint_drafter(ckpt)
     except FileNotFoundError as err:
         raise DFlashError(f"export: {err}") from err
-    out = export_drafter(drafter, spec, args.out)
+    probe_writable(args.out, "export --out")
+    try:
+        out = export_drafter(drafter, spec, args.out)
+    except SafetensorError as err:  # the disk filled up meanwhile
+        raise DFlashError(f"export --out {args.out}: {str(err).splitlines()[0]}") from None
     print(f"exported {ckpt} -> {out} ({spec.num_layers} layers, block {spec.block_size}, "
           f"target layers {spec.target_layer_ids})")
     return 0

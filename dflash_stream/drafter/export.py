@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,9 @@ from dflash_stream.drafter.spec import DrafterSpec
 WEIGHTS = "model.safetensors"
 SPEC = "drafter_spec.json"
 CONFIG = "config.json"
+MODELING = "dflash.py"
+"""The self-contained modeling file `auto_map` points at (a copy of drafter/hf_modeling.py)."""
+AUTO_MAP = {"AutoModel": "dflash.DFlashDraftModel"}
 
 
 def drafter_state(drafter: DFlashDrafter) -> dict[str, Tensor]:
@@ -44,7 +48,9 @@ def zlab_config(spec: DrafterSpec, dtype: torch.dtype = torch.bfloat16) -> dict[
         "attention_dropout": 0.0,
         "rms_norm_eps": spec.rms_norm_eps,
         "rope_theta": spec.rope_theta,
-        "rope_scaling": None,
+        # Both spellings: transformers 4 and older servers read rope_scaling, transformers 5 rope_parameters.
+        "rope_scaling": spec.rope_scaling,
+        "rope_parameters": {"rope_type": "default", **(spec.rope_scaling or {}), "rope_theta": spec.rope_theta},
         "max_position_embeddings": spec.max_position_embeddings,
         "vocab_size": spec.vocab_size,
         "tie_word_embeddings": False,
@@ -55,7 +61,19 @@ def zlab_config(spec: DrafterSpec, dtype: torch.dtype = torch.bfloat16) -> dict[
         "block_size": spec.block_size,
         "num_target_layers": spec.num_target_layers,
         "dflash_config": {"mask_token_id": spec.mask_token_id, "target_layer_ids": list(spec.target_layer_ids)},
+        "auto_map": AUTO_MAP,
     }
+
+
+def _rope_scaling(config: dict[str, Any]) -> dict[str, Any] | None:
+    """rope_scaling of a z-lab config, or the scaled part of its rope_parameters (transformers 5 writes those)."""
+    if config.get("rope_scaling"):
+        return dict(config["rope_scaling"])
+    params = dict(config.get("rope_parameters") or {})
+    if params.get("rope_type", "default") == "default":
+        return None
+    params.pop("rope_theta", None)
+    return params
 
 
 def spec_from_zlab_config(config: dict[str, Any]) -> DrafterSpec:
@@ -67,7 +85,7 @@ def spec_from_zlab_config(config: dict[str, Any]) -> DrafterSpec:
         num_attention_heads=config["num_attention_heads"],
         num_key_value_heads=config["num_key_value_heads"],
         head_dim=config["head_dim"],
-        rope_theta=config["rope_theta"],
+        rope_theta=config.get("rope_theta") or config["rope_parameters"]["rope_theta"],
         rms_norm_eps=config["rms_norm_eps"],
         vocab_size=config["vocab_size"],
         block_size=config["block_size"],
@@ -75,17 +93,20 @@ def spec_from_zlab_config(config: dict[str, Any]) -> DrafterSpec:
         target_layer_ids=list(dflash["target_layer_ids"]),
         num_target_layers=config["num_target_layers"],
         max_position_embeddings=config["max_position_embeddings"],
+        rope_scaling=_rope_scaling(config),
     )
 
 
 def export_drafter(drafter: DFlashDrafter, spec: DrafterSpec, out_dir: str | Path) -> Path:
-    """Write `config.json` + `model.safetensors` (no embedding, no LM head) in the drafter's own dtype."""
+    """Write `config.json` + `model.safetensors` (no embedding, no LM head) in the drafter's own dtype, and
+    the modeling file `dflash.py` that `auto_map` names, so that transformers' `AutoModel` loads the folder."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     state = drafter_state(drafter)
     save_file(state, out / WEIGHTS, metadata={"format": "pt"})
     dtype = next(iter(state.values())).dtype
     (out / CONFIG).write_text(json.dumps(zlab_config(spec, dtype), indent=2) + "\n")
+    shutil.copyfile(Path(__file__).with_name("hf_modeling.py"), out / MODELING)
     return out
 
 

@@ -34,18 +34,46 @@ def rotate_half(x: Tensor) -> Tensor:
 
 
 class Rotary(nn.Module):
-    """RoPE at absolute positions; cos/sin are computed per call because positions differ per block."""
+    """RoPE at absolute positions; cos/sin are computed per call because positions differ per block.
 
-    def __init__(self, head_dim: int, theta: float) -> None:
+    With the target's `rope_scaling` (YaRN, llama3, linear) the frequencies and the cos/sin scale come from
+    transformers' own RoPE init functions, as in the target and in z-lab's loader (Qwen3RotaryEmbedding)."""
+
+    def __init__(self, spec: DrafterSpec) -> None:
         super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+        self.scale = 1.0
+        if spec.rope_scaling is None:
+            dh = spec.head_dim
+            inv_freq = 1.0 / (spec.rope_theta ** (torch.arange(0, dh, 2, dtype=torch.float32) / dh))
+        else:
+            inv_freq, self.scale = scaled_rope_frequencies(spec)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def forward(self, positions: Tensor) -> tuple[Tensor, Tensor]:
         """positions [N, T] -> cos, sin [N, 1, T, Dh] (broadcast over heads)."""
         angles = positions[..., None].float() * self.inv_freq
         emb = torch.cat((angles, angles), dim=-1)[:, None]
-        return emb.cos(), emb.sin()
+        if self.scale == 1.0:
+            return emb.cos(), emb.sin()
+        return emb.cos() * self.scale, emb.sin() * self.scale
+
+
+def scaled_rope_frequencies(spec: DrafterSpec) -> tuple[Tensor, float]:
+    """(inv_freq, cos/sin scale) of a scaled RoPE, from a Qwen3 config carrying the spec's rope parameters."""
+    from transformers import Qwen3Config
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    params = {**spec.rope_scaling, "rope_theta": spec.rope_theta}
+    try:
+        config = Qwen3Config(
+            hidden_size=spec.hidden_size, num_attention_heads=spec.num_attention_heads,
+            num_key_value_heads=spec.num_key_value_heads, head_dim=spec.head_dim,
+            max_position_embeddings=spec.max_position_embeddings, rope_parameters=params,
+        )
+        inv_freq, scale = ROPE_INIT_FUNCTIONS[params["rope_type"]](config, None)
+    except (KeyError, TypeError, ValueError) as err:
+        raise ConfigError(f"the target's rope_scaling {spec.rope_scaling} is not usable: {err}") from None
+    return inv_freq.float(), float(scale)
 
 
 def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -134,7 +162,7 @@ class DFlashDrafter(nn.Module):
         self.hidden_norm = nn.RMSNorm(d, eps=spec.rms_norm_eps)
         self.layers = nn.ModuleList(Layer(spec) for _ in range(spec.num_layers))
         self.norm = nn.RMSNorm(d, eps=spec.rms_norm_eps)
-        self.rotary = Rotary(spec.head_dim, spec.rope_theta)
+        self.rotary = Rotary(spec)
         self.apply(self._init_weights)
 
     @staticmethod

@@ -24,6 +24,8 @@ class DrafterSpec:
     target_layer_ids: list[int] = field(default_factory=list)
     num_target_layers: int = 0
     max_position_embeddings: int = 32768
+    rope_scaling: dict[str, Any] | None = None
+    """The target's RoPE scaling (`rope_type` yarn/llama3/linear and its parameters); None for plain RoPE."""
 
     @property
     def num_context_layers(self) -> int:
@@ -35,6 +37,29 @@ def _rope_theta(text_config: Any) -> float:
     params = getattr(text_config, "rope_parameters", None) or {}
     theta = params.get("rope_theta") if isinstance(params, dict) else None
     return float(theta or getattr(text_config, "rope_theta", None) or 10000.0)
+
+
+SCALED_ROPE_TYPES = ("linear", "yarn", "llama3")
+"""Scalings whose frequencies depend on the config alone; `dynamic`/`longrope` change with the sequence length."""
+
+
+def target_rope_scaling(text_config: Any) -> dict[str, Any] | None:
+    """The target's RoPE scaling as the drafter must reproduce it (z-lab's loader builds the drafter's rotary
+    embedding from its config the same way): None for plain RoPE."""
+    params = getattr(text_config, "rope_parameters", None) or getattr(text_config, "rope_scaling", None) or {}
+    if params and all(isinstance(v, dict) for v in params.values()):  # per layer type: the attention layers'
+        params = params.get("full_attention") or next(iter(params.values()))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "default":
+        return None
+    if rope_type not in SCALED_ROPE_TYPES:
+        raise ConfigError(
+            f"target rope_scaling type '{rope_type}' is not supported by the drafter; "
+            f"supported: default, {', '.join(SCALED_ROPE_TYPES)}"
+        )
+    # rope_theta has its own spec field; the drafter's attention rotates whole heads (no partial rotary).
+    drop = ("rope_theta", "type", "partial_rotary_factor")
+    return {"rope_type": rope_type, **{k: v for k, v in params.items() if k not in (*drop, "rope_type")}}
 
 
 def default_mask_token_id(tokenizer: Any, vocab_size: int) -> int:
@@ -103,4 +128,5 @@ def build_spec(cfg: Config, target_config: Any, layer_ids: list[int], tokenizer:
         target_layer_ids=list(layer_ids),
         num_target_layers=tc.num_hidden_layers,
         max_position_embeddings=getattr(tc, "max_position_embeddings", None) or 32768,
+        rope_scaling=target_rope_scaling(tc),
     )

@@ -17,9 +17,9 @@ def save_resolved_config(cfg: Config) -> None:
     write_atomic(run.config, dump_config(cfg))
 
 
-def data_spec_digest(cfg: Config) -> str:
-    """A short digest of everything that decides which samples exist and what their tokens are."""
-    spec = {
+def _data_spec(cfg: Config) -> dict[str, Any]:
+    """Everything that decides which samples exist and what their tokens are."""
+    return {
         "sources": [s.model_dump() for s in cfg.data.sources],
         "system_prompt": cfg.data.system_prompt,
         "regenerate": cfg.data.regenerate,
@@ -27,7 +27,24 @@ def data_spec_digest(cfg: Config) -> str:
         "min_supervised_tokens": cfg.min_supervised_tokens,
         "seed": cfg.data.seed,
     }
-    return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def data_spec_digest(cfg: Config) -> str:
+    """A short digest of the data spec (it names the store's and the response cache's data)."""
+    return hashlib.sha256(json.dumps(_data_spec(cfg), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _source_text(source: dict[str, Any]) -> str:
+    """One source as a user wrote it: its path and the keys that differ from their defaults."""
+    defaults = {"subset": None, "split": "train", "format": "auto", "limit": None, "weight": 1.0, "name": None}
+    extra = [f"{k}={v}" for k, v in source.items() if k != "path" and defaults.get(k) != v]
+    return " ".join([source["path"], *extra])
+
+
+def data_spec_detail(cfg: Config) -> dict[str, Any]:
+    """The data spec in readable form, so that a store made from other data can say what differs."""
+    spec = _data_spec(cfg)
+    return {**spec, "sources": [_source_text(s) for s in spec["sources"]]}
 
 
 def store_layout(cfg: Config) -> tuple[list[int], int]:
@@ -50,14 +67,16 @@ def store_fingerprint(cfg: Config, layer_ids: list[int], hidden_size: int) -> di
         "tokenizer": f"{target}@{cfg.target.revision or 'default'}",
         "codec": cfg.store.codec,
         "data_spec": data_spec_digest(cfg),
+        "data_spec_detail": data_spec_detail(cfg),  # words for a mismatch; compared only through data_spec
     }
 
 
 def max_segment_raw_bytes(cfg: Config, num_layers_captured: int, hidden_size: int) -> int:
     """A segment is filled to `store.segment_bytes`, but one sample of `max_length` tokens may exceed that."""
-    per_token = num_layers_captured * hidden_size * 2 + 4 + 1  # bf16 states + int32 id + mask byte
-    # + that sample's id and offset and the closing offset, as the store counts a segment's raw bytes
-    return max(int(cfg.store.segment_bytes), cfg.data.max_length * per_token + 24)
+    from dflash_stream.store import sizes
+
+    return sizes.max_segment_raw_bytes(int(cfg.store.segment_bytes), cfg.data.max_length,
+                                       num_layers_captured * hidden_size)
 
 
 def open_store(cfg: Config, layer_ids: list[int], hidden_size: int, create: bool = True):

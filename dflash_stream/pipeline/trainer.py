@@ -29,6 +29,7 @@ from safetensors.torch import load_file
 from dflash_stream.config import MAX_LENGTH_BUCKETS, Config, load_config
 from dflash_stream.drafter.batches import Member, TokenBatcher, collate
 from dflash_stream.drafter.shapes import CompileWatch, ShapePlan, fixed_shapes_on
+from dflash_stream.errors import DFlashError
 from dflash_stream.log import get_logger, progress
 from dflash_stream.observe.metrics import MetricsWriter, TrainingTracker
 from dflash_stream.pipeline import checkpoint as ckpt
@@ -39,6 +40,7 @@ from dflash_stream.pipeline.roles import RoleInfo
 from dflash_stream.pipeline.schedule import WarmupCosine
 from dflash_stream.pipeline.signals import StopRequest
 from dflash_stream.pipeline.stats import StepStats
+from dflash_stream.pipeline.waiting import DataWait
 from dflash_stream.rundir import RunDir
 
 if TYPE_CHECKING:
@@ -60,6 +62,7 @@ class Trainer:
 
     def __init__(self, cfg: Config, role: RoleInfo, store: Store, metrics: MetricsWriter, device: torch.device) -> None:
         from dflash_stream.drafter import DFlashDrafter, DrafterSpec, build_spec, load_target_head
+        from dflash_stream.drafter.export import SPEC
         from dflash_stream.store import SegmentReader
         from dflash_stream.target_model import load_target_config, resolve_layer_ids
 
@@ -73,7 +76,7 @@ class Trainer:
 
         # The model and what trains it
         if resume is not None:
-            self.spec = DrafterSpec(**json.loads((resume / "drafter_spec.json").read_text()))
+            self.spec = DrafterSpec(**json.loads((resume / SPEC).read_text()))
         else:
             target_config = load_target_config(cfg.target)
             layer_ids = resolve_layer_ids(target_config.num_hidden_layers, cfg.target)
@@ -112,7 +115,8 @@ class Trainer:
         self.latest_checkpoint: Path | None = None
         self.data_wait_seconds = 0.0
         self._last_checkpoint_step = 0
-        self._starved_since: float | None = None
+        self._finished = False
+        self.data_wait = DataWait(store, WAIT_POLL_SECONDS)  # its timeout is `train --wait-timeout`
         self.stats = StepStats(self.spec.block_size)
         self.stop = StopRequest()
 
@@ -126,6 +130,8 @@ class Trainer:
     def _resume(self, path: Path | None) -> None:
         """Load every component's state from checkpoint `path` (None: a fresh start) and drop the ledger
         files of a checkpoint that never completed."""
+        from dflash_stream.drafter.export import WEIGHTS
+
         step = ckpt.checkpoint_step(path)
         dropped = ckpt.drop_ledger_after(self.run_dir.root, self.index, step)
         if dropped:
@@ -134,7 +140,7 @@ class Trainer:
             self.position.load_state_dict(DataPosition.EMPTY)
             return
         shared, part = ckpt.load(path, self.index, self.trainers)
-        self.drafter.load_state_dict(load_file(path / "model.safetensors", device=str(self.device)))
+        self.drafter.load_state_dict(load_file(path / WEIGHTS, device=str(self.device)))
         self.optimizer.load_state_dict(shared["optimizer"])
         self.scheduler.load_state_dict(shared["scheduler"])
         self.steps = self._last_checkpoint_step = shared["step"]
@@ -151,14 +157,15 @@ class Trainer:
         return {**self.position.state_dict(), **self.rng.state_dict(), "samples_trained": self.samples_trained}
 
     def _write_shared(self, staging: Path) -> None:
-        """The files rank 0 writes for all: the drafter and trainer_state.pt."""
+        """The files rank 0 writes for all: the drafter and the shared trainer state."""
         from dflash_stream.drafter import save_checkpoint_drafter
 
         save_checkpoint_drafter(self.drafter, self.spec, staging)
         ckpt.save_torch({
-            "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+            "optimizer": ckpt.optimizer_state(self.optimizer, self.cfg.train.optimizer_state_dtype),
+            "scheduler": self.scheduler.state_dict(),
             "step": self.steps, "tokens": self.tokens_trained, "samples": self._all_samples_trained,
-        }, staging / "trainer_state.pt")
+        }, staging / ckpt.SHARED_STATE)
 
     def _checkpoint(self, reason: str) -> None:
         """Write checkpoint step-N (collective over the trainers), then release the segment uses it records
@@ -168,7 +175,7 @@ class Trainer:
         path = ckpt.save(
             self.run_dir.root, self.steps, self.index, rank_state=self._rank_state(),
             ledger=self.position.ledger_entries(), write_shared=self._write_shared if self.index == 0 else None,
-            barrier=self._barrier,
+            barrier=self._barrier, keep=self.cfg.train.keep_checkpoints,
         )
         # Durable now: what it records as finished may leave the store.
         released = self.position.release_finished()
@@ -192,6 +199,7 @@ class Trainer:
             while True:
                 if self._max_steps_reached():
                     self._checkpoint("train.max_steps reached")
+                    self._finish_report()
                     return True
 
                 # One step: forward/backward this rank's micro-batches, agree with the other ranks, update.
@@ -208,7 +216,7 @@ class Trainer:
                 # Stop, at the end of the data or on a signal.
                 if flags["all_exhausted"]:
                     self._checkpoint("end of data")
-                    self._flush_report()
+                    self._finish_report()
                     return True
                 if flags["stop"]:
                     self._checkpoint(f"stop requested by {self.stopped_by or 'another trainer'}")
@@ -231,7 +239,7 @@ class Trainer:
                         return False
                     self._wait_for_data()
                 else:
-                    self._starved_since = None
+                    self.data_wait.reset()
 
     @property
     def stopped_by(self) -> str | None:
@@ -258,6 +266,7 @@ class Trainer:
                     self.drafter, self.head, batch,
                     num_anchors=self.cfg.train.num_anchors, gamma=self.cfg.train.gamma,
                     generator=self.rng.generator, num_blocks=shape.blocks if shape else None,
+                    chunk_rows=self.cfg.train.loss_chunk_rows,
                 )
             self.compile_watch.observe(tuple(batch["input_ids"].shape))
             # Backpropagate the weighted sum; the step divides by the global weight (see module docstring).
@@ -346,13 +355,12 @@ class Trainer:
         return segments["ready"] == 0 and segments["claimed"] <= len(self.position)
 
     def _wait_for_data(self) -> None:
-        """Block a little for the next segment (the ranks then compare notes again); say so once per wait."""
+        """Block a little for the next segment (the ranks then compare notes again); say so, with reminders."""
         if self._exhausted():
             time.sleep(0.05)  # only the other ranks are still training; wait for their next step
             return
-        if self._starved_since is None:
-            self._starved_since = time.perf_counter()
-            log.info("waiting for data: no decoded segment at hand (store segments: %s)", self.store.status()["segments"])
+        # A segment READY in the store, or claimed and being decoded, is data on its way: no wait to report.
+        self.data_wait.tick(data_on_its_way=not self._store_idle())
         started = time.perf_counter()
         self._take_segment(timeout=WAIT_POLL_SECONDS)
         self.data_wait_seconds += time.perf_counter() - started
@@ -397,6 +405,14 @@ class Trainer:
         if self.steps % self.cfg.train.log_every == 0:
             self._flush_report()
 
+    def _finish_report(self) -> None:
+        """Training is over: the last log line, and the bar and the total (`train_done`) end at the steps taken."""
+        self._finished = True
+        self.bar.total = self.steps
+        self.bar.refresh()
+        self._flush_report()
+        self.metrics.log("train_done", step=self.steps, total_steps=self.steps)
+
     def _flush_report(self) -> None:
         stats = self.stats.flush()
         if stats is None:
@@ -410,10 +426,18 @@ class Trainer:
         self.bar.set_postfix(loss=f"{stats['loss']:.3f}", tau=f"{tau:.2f}", tok_s=f"{tok_s:.0f}",
                              wait=f"{self.data_wait_seconds:.0f}s")
         self.metrics.log(
-            "train", step=self.steps, loss=stats["loss"], acc=stats["acc"], tau=tau, lr=lr,
+            "train", step=self.steps, total_steps=self._total_steps(), loss=stats["loss"], acc=stats["acc"], tau=tau,
+            lr=lr,
             tokens=self.tokens_trained, tok_s=tok_s, data_wait_s=self.data_wait_seconds, epoch=stats["epoch"],
             graphs_compiled=self.compile_watch.graphs_compiled, graphs_planned=self.compile_watch.bound,
         )
+
+    def _total_steps(self) -> int:
+        """The steps this training will take, as known now (the schedule's estimate, train.max_steps)."""
+        if self._finished:
+            return self.steps
+        total = self.schedule.total_steps
+        return min(total, self.cfg.train.max_steps) if self.cfg.train.max_steps else total
 
     # ---------------------------------------------------------------- export
 
@@ -434,6 +458,8 @@ class Trainer:
 def register(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser("train", help="train the drafter from an existing store (waits for segments)")
     parser.add_argument("--config", required=True, help="run config (YAML)")
+    parser.add_argument("--wait-timeout", type=float, default=None, metavar="SECONDS",
+                        help="give up after waiting this long for data (default: wait as long as it takes)")
     parser.set_defaults(func=train_command, overrides=[])
 
 
@@ -441,18 +467,24 @@ def train_command(args: argparse.Namespace) -> int:
     from dflash_stream.log import setup_logging
     from dflash_stream.pipeline.common import open_store, save_resolved_config, store_layout
     from dflash_stream.pipeline.roles import assign_uniform, init_distributed
+    from dflash_stream.preflight import check_run_paths
 
     cfg = load_config(args.config, args.overrides)
+    check_run_paths(cfg, data=False)  # before anything is written; training reads no data files
     role = assign_uniform("trainer")
     setup_logging("trainer", role.index, show_bar=role.speaks_for_role)
     device = init_distributed() if cfg.target.device == "auto" else torch.device(cfg.target.device)
     layer_ids, hidden_size = store_layout(cfg)
+    if not (Path(cfg.store.path) / "store.json").is_file():
+        raise DFlashError(f"no store at {cfg.store.path} yet: start `dflash-stream extract` with this config first "
+                          "(it creates the store); `train` then waits for its segments")
     store = open_store(cfg, layer_ids, hidden_size, create=False)
     if role.index == 0:
         save_resolved_config(cfg)
     metrics = TrainingTracker(cfg.output_dir, "trainer", role.index, tensorboard=cfg.metrics.tensorboard)
     metrics.log("start", config=cfg.model_dump(mode="json"))
     trainer = Trainer(cfg, role, store, metrics, device)
+    trainer.data_wait.timeout = args.wait_timeout
     try:
         finished = trainer.run()
         summary = {

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
+
+from dflash_stream.errors import DFlashError
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -41,8 +44,10 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _dump(args: argparse.Namespace) -> int:
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
 
+    from dflash_stream.preflight import probe_writable
     from dflash_stream.store.segment import read_segment
     from dflash_stream.store.store import Store
 
@@ -50,8 +55,15 @@ def _dump(args: argparse.Namespace) -> int:
     segment_id = store._find_sample(args.sample_id)
     sample = next(s for s in read_segment(segment_id, store.path / "segments" / segment_id)
                   if s.sample_id == args.sample_id)
-    save_file({"input_ids": sample.input_ids, "loss_mask": sample.loss_mask,
-               "hidden_states": sample.hidden_states.contiguous()}, args.out,
-              metadata={"sample_id": str(args.sample_id), "segment": segment_id})
+    out = Path(args.out)
+    probe_writable(out.parent, "store dump --out")
+    if out.is_dir():
+        raise DFlashError(f"store dump --out {out} is a folder; name a FILE.safetensors")
+    try:
+        save_file({"input_ids": sample.input_ids, "loss_mask": sample.loss_mask,
+                   "hidden_states": sample.hidden_states.contiguous()}, str(out),
+                  metadata={"sample_id": str(args.sample_id), "segment": segment_id})
+    except SafetensorError as err:  # the disk filled up, or the folder vanished meanwhile
+        raise DFlashError(f"store dump --out {out}: {str(err).splitlines()[0]}") from None
     print(f"sample {args.sample_id} ({len(sample.input_ids)} tokens, segment {segment_id}) -> {args.out}")
     return 0

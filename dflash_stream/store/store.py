@@ -16,25 +16,24 @@ from typing import Any
 from dflash_stream.log import get_logger
 from dflash_stream.rundir import write_atomic
 from dflash_stream.store import budget as bud
-from dflash_stream.store.codecs import CODECS
+from dflash_stream.store import codecs, sizes
+from dflash_stream.store.backpressure import BackpressureLog
 from dflash_stream.store.errors import BudgetTooSmall, FingerprintMismatch, StoreError, StoreFull
+from dflash_stream.store.heartbeat import Heartbeat, read_heartbeats
 from dflash_stream.store.segment import (
     FORMAT,
     Sample,
     StoredSample,
     check_samples,
-    disk_bound,
     encode_segment,
     files_bound,
-    raw_bytes,
     read_segment,
     write_files,
 )
 
 log = get_logger("store")
-DIRS = ("segments", "tmp", "info", "ready", "claimed", "done", "writers", "budget", "budget/reserved", "budget/waiting")
-BASE_BLOCKS = 2 * len(DIRS) + 8
-"""Blocks the empty store takes: its directories, store.json, the lock and a few markers."""
+DIRS = ("segments", "tmp", "info", "ready", "claimed", "done", "writers", "budget", "budget/reserved", "budget/waiting",
+        "budget/records")
 _ID = re.compile(r"^[A-Za-z0-9_-]+$")
 POLL_SECONDS = (0.02, 0.5)
 
@@ -81,11 +80,6 @@ class SegmentInfo:
     """Allocated bytes on disk, as `du` counts them."""
 
 
-def min_budget(max_segment_raw_bytes: int, width: int, block: int, codec: str) -> int:
-    tokens = max_segment_raw_bytes // (2 * width + 5) + 1
-    return disk_bound(max_segment_raw_bytes, tokens, width, block, codec) + (BASE_BLOCKS + bud.SLACK_BLOCKS + 4) * block
-
-
 class Store:
     """Open with `Store.open`; see the package docstring for the layout and the lifecycle."""
 
@@ -106,16 +100,15 @@ class Store:
     def open(cls, path: str | os.PathLike, *, budget: int, codec: str, reuse: int, fingerprint: dict,
              max_segment_raw_bytes: int, create: bool = True) -> Store:
         path = Path(path)
-        if codec not in CODECS:
-            raise StoreError(f"unknown store codec '{codec}'; allowed: {', '.join(CODECS)}")
+        if codec not in codecs.REGISTRY:
+            raise StoreError(f"unknown store codec '{codec}'; allowed: {', '.join(codecs.names())}")
         if reuse < 1:
             raise StoreError(f"store reuse must be >= 1, got {reuse}")
         try:
             width = len(fingerprint["layer_ids"]) * int(fingerprint["hidden_size"])
         except (KeyError, TypeError, ValueError):
             raise StoreError("the store fingerprint must give layer_ids and hidden_size (the shape of the states)") from None
-        existing = next(p for p in (path, *path.parents) if p.exists())
-        smallest = min_budget(max_segment_raw_bytes, width, bud.block_size(existing), codec)
+        smallest = sizes.smallest_budget(path, max_segment_raw_bytes, width, codec)
         if budget < smallest:
             raise BudgetTooSmall(
                 f"store budget {budget:,} bytes cannot hold one worst-case segment of {max_segment_raw_bytes:,} raw "
@@ -133,7 +126,7 @@ class Store:
         _probe_writable(path)
         requested = {"format": FORMAT, "fingerprint": fingerprint, "codec": codec, "reuse": reuse, "width": width}
         manifest = _create_or_read_manifest(path, {**requested, "budget": budget}, create)
-        _compare(path, manifest, requested)
+        manifest = _check_fingerprint(path, manifest, requested, create)
         if manifest.get("budget") != budget:
             # The budget may change between runs; `store status` reports the latest one.
             _write_json(path / "store.json", {**manifest, "budget": budget})
@@ -156,6 +149,14 @@ class Store:
 
     def consumer(self, consumer_id: str, keep: Iterable[str] = ()) -> SegmentConsumer:
         return SegmentConsumer(self, _check_id("consumer", consumer_id), set(keep))
+
+    def heartbeat(self, writer_id: str) -> Heartbeat:
+        """Start showing that this writer is alive (from before it loads its target); `stop()` it when done."""
+        return Heartbeat(self.path / "writers", _check_id("writer", writer_id))
+
+    def heartbeats(self) -> dict[str, dict[str, Any]]:
+        """writer id -> {age_s, alive, finished, host, pid} for every writer that showed a heartbeat here."""
+        return read_heartbeats(self.path / "writers")
 
     def set_expected_writers(self, n: int) -> None:
         _write_json(self.path / "writers" / "expected", n)
@@ -266,13 +267,26 @@ class Store:
 
     def _used(self) -> int:
         """Published segments at their recorded size, plus everything outside segments and partial writes.
-        Segments are listed before the rest is measured, so a segment deleted in between is still counted."""
+        Segments are listed before the rest is measured, so a segment deleted in between is still counted.
+        Records (info/) and release markers (done/) only accumulate: their directories are measured themselves,
+        the records through their writers' running totals, so this costs the same after any number of segments."""
         charged = 0
         for seg in self._ls("segments"):
             info = self._record(seg)
             # A segment dir without its record is a crashed publish being recovered: measure it.
             charged += info.bytes if info else bud.du(self.path / "segments" / seg)
-        return charged + bud.du(self.path, frozenset({"segments", "tmp"}))
+        rest = bud.du(self.path, frozenset({"segments", "tmp"}), frozenset({"info", "done"}))
+        return charged + rest + self._records_bytes()
+
+    def _records_bytes(self) -> int:
+        """Bytes of the records in info/, as each writer totals its own (budget/records/<writer>)."""
+        total = 0
+        for w in self._ls("budget/records"):
+            try:
+                total += int((self.path / "budget" / "records" / w).read_text() or 0)
+            except (FileNotFoundError, ValueError):
+                continue
+        return total
 
     def _has_marker(self, seg: str) -> bool:
         names = self._ls("ready") + self._ls("done") + [n for c in self._ls("claimed") for n in self._ls(f"claimed/{c}")]
@@ -308,16 +322,21 @@ class SegmentWriter:
     def __init__(self, store: Store, writer_id: str) -> None:
         self.store, self.id = store, writer_id
         self.waited_seconds = 0.0
+        self._pressure = BackpressureLog(log, writer_id)
         store._clean_writer(writer_id)
         (store.path / "writers" / f"{writer_id}.finished").unlink(missing_ok=True)
-        mine = [n.removesuffix(".json").rpartition(".")[2] for n in store._ls("info") if n.startswith(f"{writer_id}.")]
-        self._seq = max((int(s) for s in mine if s.isdigit()), default=-1) + 1
+        mine = [n for n in store._ls("info") if n.startswith(f"{writer_id}.") and n.endswith(".json")]
+        seqs = [n.removesuffix(".json").rpartition(".")[2] for n in mine]
+        self._seq = max((int(s) for s in seqs if s.isdigit()), default=-1) + 1
+        # The running total of this writer's records, recounted once per start (after any crash).
+        self._records = sum(_blocks(store.path / "info" / n) for n in mine)
+        _write_json(store.path / "budget" / "records" / writer_id, self._records)
         (store.path / "tmp" / writer_id).mkdir(exist_ok=True)
 
     def write(self, samples: list[Sample], pass_index: int = 0, block: bool = True) -> SegmentInfo:
         st = self.store
         tokens = check_samples(samples, st.width)
-        raw = raw_bytes(tokens, len(samples), st.width)
+        raw = sizes.raw_bytes(tokens, len(samples), st.width)
         seg = f"{self.id}.{self._seq:06d}"
         record = {"segment_id": seg, "pass_index": pass_index, "sample_ids": [int(s.sample_id) for s in samples],
                   "num_tokens": tokens, "raw_bytes": raw}
@@ -345,12 +364,16 @@ class SegmentWriter:
             shutil.rmtree(tmp, ignore_errors=True)
             self._unreserve()
             raise
+        # Counted under the reservation until here, the record now joins this writer's total.
+        self._records += _blocks(st.path / "info" / f"{seg}.json")
+        _write_json(st.path / "budget" / "records" / self.id, self._records)
         self._unreserve()
         self._seq += 1
         st._info[seg] = info
         return info
 
     def finish(self) -> None:
+        self._pressure.flowing(final=True)
         (self.store.path / "writers" / f"{self.id}.finished").touch()
 
     # ---- budget --------------------------------------------------------------------------------------------
@@ -380,15 +403,19 @@ class SegmentWriter:
             if waiting_since is None:
                 waiting_since = time.monotonic()
                 (st.path / "budget" / "waiting" / self.id).touch()
-                log.info("writer %s waits for the trainer to free space: used %s + reserved %s of budget %s bytes, "
-                         "%s bytes needed", self.id, f"{used:,}", f"{reserved:,}", f"{st.budget:,}", f"{need:,}")
+                self._pressure.blocked(f"used {used:,} + reserved {reserved:,} of budget {st.budget:,} bytes, "
+                                       f"{need:,} bytes needed")
+            else:
+                self._pressure.remind()
             time.sleep(delay)
             delay = min(delay * 2, POLL_SECONDS[1])
         if waiting_since is not None:
             waited = time.monotonic() - waiting_since
             self.waited_seconds += waited
             (st.path / "budget" / "waiting" / self.id).unlink(missing_ok=True)
-            log.info("writer %s resumes after waiting %.1f s for space", self.id, waited)
+            self._pressure.resumed(waited)
+        else:
+            self._pressure.flowing()
 
     def _unreserve(self) -> None:
         (self.store.path / "budget" / "reserved" / self.id).unlink(missing_ok=True)
@@ -478,6 +505,14 @@ class SegmentConsumer:
         return any(_marker(n)[1] + 1 < st.reuse for c in st._ls("claimed") for n in st._ls(f"claimed/{c}"))
 
 
+def _blocks(path: Path) -> int:
+    """Allocated bytes of one file, as `du` counts them."""
+    try:
+        return os.stat(path).st_blocks * 512
+    except FileNotFoundError:
+        return 0
+
+
 def _probe_writable(path: Path) -> None:
     probe = path / f".probe-{os.getpid()}"
     try:
@@ -507,14 +542,66 @@ def _create_or_read_manifest(path: Path, requested: dict[str, Any], create: bool
         raise StoreError(f"{manifest} is not valid JSON: {err}") from None
 
 
-def _compare(path: Path, stored: dict[str, Any], requested: dict[str, Any]) -> None:
-    fields = [("format", stored.get("format"), requested["format"]), ("codec", stored.get("codec"), requested["codec"]),
-              ("reuse", stored.get("reuse"), requested["reuse"])]
+FIELD_WORDS = {
+    "format": "store formats", "codec": "codecs (store.codec)", "reuse": "uses per segment (store.reuse)",
+    "target": "target models (target.model)", "layer_ids": "captured target layers (target.layer_ids)",
+    "hidden_size": "hidden sizes of the target", "max_length": "maximum lengths (data.max_length)",
+    "tokenizer": "tokenizers (target.model, target.revision)", "data_spec": "data specs",
+    "sources": "data sources (data.sources)", "system_prompt": "system prompts (data.system_prompt)",
+    "regenerate": "regeneration settings (data.regenerate)", "generation": "generation settings (data.generation)",
+    "min_supervised_tokens": "minimum supervised tokens (data.min_supervised_tokens)", "seed": "data seeds (data.seed)",
+}
+"""How a mismatch names each field, in words."""
+DETAIL = "_detail"
+"""A fingerprint key `X_detail` spells out field X (a digest) so that a mismatch can say what differs; it is
+compared only through X."""
+
+
+def _mismatch(stored: dict[str, Any], requested: dict[str, Any]) -> str | None:
+    """The first field in which a store's manifest and a run's request differ, in words; None if none does."""
+    fields = [(k, stored.get(k), requested[k]) for k in ("format", "codec", "reuse")]
     old_fp, new_fp = stored.get("fingerprint", {}), requested["fingerprint"]
-    fields += [(f"fingerprint.{k}", old_fp.get(k), new_fp.get(k)) for k in sorted(set(old_fp) | set(new_fp))]
+    keys = sorted(k for k in set(old_fp) | set(new_fp) if not k.endswith(DETAIL))
+    fields += [(k, old_fp.get(k), new_fp.get(k)) for k in keys]
     for name, old, new in fields:
-        if old != new:
-            raise FingerprintMismatch(
-                f"store {path} was made with {name}={old!r} but this run has {name}={new!r}; "
-                "use another store.path or delete the old store"
-            )
+        if old == new:
+            continue
+        old_detail, new_detail = old_fp.get(name + DETAIL), new_fp.get(name + DETAIL)
+        if isinstance(old_detail, dict) and isinstance(new_detail, dict):
+            for sub in sorted(set(old_detail) | set(new_detail)):
+                if old_detail.get(sub) != new_detail.get(sub):
+                    return (f"{FIELD_WORDS.get(sub, sub)} differ: stored {old_detail.get(sub)!r}, "
+                            f"this run {new_detail.get(sub)!r}")
+        words = FIELD_WORDS.get(name, name)
+        return f"{words} differ: stored {old!r}, this run {new!r}"
+    return None
+
+
+def _holds_nothing(path: Path) -> bool:
+    """No segment was ever published, claimed or begun, and no writer holds a reservation."""
+    for rel in ("info", "segments", "ready", "done", "budget/reserved"):
+        d = path / rel
+        if d.is_dir() and any(not n.startswith(".") for n in os.listdir(d)):
+            return False
+    return not any(any(sub.iterdir()) for rel in ("tmp", "claimed") if (path / rel).is_dir()
+                   for sub in (path / rel).iterdir() if sub.is_dir())
+
+
+def _check_fingerprint(path: Path, manifest: dict[str, Any], requested: dict[str, Any], create: bool
+                       ) -> dict[str, Any]:
+    """The manifest to use. A store that holds nothing yet (an earlier run failed before its first segment)
+    takes the new config instead of refusing it; otherwise a mismatch is refused, naming what differs."""
+    why = _mismatch(manifest, requested)
+    if why is None:
+        return manifest
+    alive = [w for w, b in read_heartbeats(path / "writers").items() if b["alive"]]
+    if create and _holds_nothing(path) and not alive:
+        log.info("store %s holds no segment yet: it takes this run's config (%s)", path, why)
+        manifest = {**manifest, **requested}
+        _write_json(path / "store.json", manifest)
+        return manifest
+    published = len([n for n in os.listdir(path / "info") if not n.startswith(".")]) if (path / "info").is_dir() else 0
+    raise FingerprintMismatch(
+        f"store {path} was made by another config: {why}; use another store.path, or delete the store "
+        f"({published} segment(s) published in it)"
+    )

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dflash_stream.config import ConfigError, TargetConfig
+from dflash_stream.preflight import looks_local
 
 if TYPE_CHECKING:
     import torch
@@ -23,6 +24,9 @@ def model_location(target: TargetConfig) -> tuple[str, dict[str, Any]]:
         if spec is None or not spec.submodule_search_locations:
             raise ConfigError(f"target.model: package '{package}' is not installed (pip install it first)")
         location = spec.submodule_search_locations[0]
+    elif not Path(location).expanduser().exists() and looks_local(location):
+        # Said here, or transformers takes the path for a hub repo id and complains about its spelling.
+        raise ConfigError(f"target.model: local folder '{location}' does not exist")
     kwargs: dict[str, Any] = {"trust_remote_code": target.trust_remote_code}
     if target.gguf_file:
         if not (Path(location) / target.gguf_file).is_file():
@@ -41,7 +45,8 @@ def load_target_config(target: TargetConfig):
     try:
         return AutoConfig.from_pretrained(location, **kwargs)
     except OSError as err:
-        raise ConfigError(f"target.model: cannot read a model config from '{target.model}': {err}") from None
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ConfigError(f"target.model: cannot read a model config from '{target.model}': {first}") from None
 
 
 def resolve_device(target: TargetConfig) -> torch.device:
