@@ -14,6 +14,7 @@ import torch
 
 from dflash_stream.drafter.batches import TokenBatcher
 from dflash_stream.drafter.commands import _checkpoint_dir
+from dflash_stream.drafter.shapes import ShapePlan
 from dflash_stream.observe.status import _checkpoints
 from dflash_stream.pipeline import checkpoint as ckpt
 from dflash_stream.pipeline.audit import audit_run
@@ -58,7 +59,7 @@ def test_data_position_round_trip_resumes_a_half_trained_segment_and_releases_a_
     writer = store.writer("w")
     writer.write(_samples([1, 2]))
     writer.write(_samples([3, 4, 5]))
-    position = DataPosition(store, "trainer-0", TokenBatcher(10**6))
+    position = DataPosition(store, "trainer-0", TokenBatcher(ShapePlan([4096], 10**6, num_anchors=4, block_size=4)))
     position.load_state_dict(DataPosition.EMPTY)
     for _ in range(2):
         claim = position.consumer.claim(timeout=1)
@@ -71,7 +72,7 @@ def test_data_position_round_trip_resumes_a_half_trained_segment_and_releases_a_
     assert [(r["claim"]["sample_ids"], r["trained"]) for r in state["partial"]] == [((3, 4, 5), [3])]
 
     # A restart: a new position from the saved state keeps only the untrained samples 4 and 5.
-    resumed = DataPosition(store, "trainer-0", TokenBatcher(10**6))
+    resumed = DataPosition(store, "trainer-0", TokenBatcher(ShapePlan([4096], 10**6, num_anchors=4, block_size=4)))
     resumed.load_state_dict(json.loads(json.dumps(state)))
     assert [m.sample.sample_id for m in resumed.batcher.next_batch()] == [4, 5]
     segments = store.status()["segments"]
