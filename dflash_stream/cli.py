@@ -39,6 +39,8 @@ BENCHES = {
     "store": "dflash_stream.bench.store",
     "extract": "dflash_stream.bench.extract",
     "pipeline": "dflash_stream.bench.pipeline",
+    "compile": "dflash_stream.bench.compile",
+    "memory": "dflash_stream.bench.memory",
 }
 
 

@@ -74,6 +74,15 @@ class RunDir:
                  if p.name[len(_STEP):].isdigit() and (p / COMPLETE).is_file()]
         return sorted(found, key=checkpoint_step)
 
+    def incomplete_checkpoints(self) -> list[tuple[int, Path]]:
+        """(step, folder) of interrupted attempts: staging folders, and renamed folders without COMPLETE."""
+        found = []
+        for path in self.checkpoints.glob(f"*{_STEP}*"):
+            step = path.name.removeprefix(".").removeprefix(_STEP).removesuffix(".tmp")
+            if step.isdigit() and not (path / COMPLETE).is_file():
+                found.append((int(step), path))
+        return sorted(found)
+
     def latest_checkpoint(self) -> Path | None:
         """The highest complete checkpoint: what a trainer resumes from and what the audit counts up to."""
         found = self.complete_checkpoints()

@@ -19,6 +19,7 @@ from typing import Any
 from dflash_stream.config import load_config
 from dflash_stream.observe.metrics import peak_store_bytes
 from dflash_stream.pipeline.common import store_layout
+from dflash_stream.rundir import RunDir
 
 UNBOUNDED = "1TB"
 
@@ -57,7 +58,7 @@ def bench_pipeline(args: argparse.Namespace) -> int:
         "run", "--config", args.config, *common, *where("streaming"),
     ]
     streaming_seconds = _timed(stream_cmd, work / "streaming.log")
-    stream = json.loads((work / "streaming" / "summary.json").read_text())
+    stream = json.loads(RunDir(work / "streaming").summary.read_text())
 
     seq = [*common, *where("sequential"), f"--store.budget={UNBOUNDED}"]
     extract_seconds = _timed([*cli, "extract", "--config", args.config, *seq], work / "sequential-extract.log")

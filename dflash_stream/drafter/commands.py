@@ -11,9 +11,10 @@ from dflash_stream.errors import DFlashError
 
 def _checkpoint_dir(path: Path) -> Path:
     """A checkpoint directory itself, or a run's output folder (its latest complete checkpoint)."""
+    from dflash_stream.drafter.export import SPEC
     from dflash_stream.rundir import RunDir
 
-    if (path / "drafter_spec.json").is_file():
+    if (path / SPEC).is_file():
         return path
     latest = RunDir(path).latest_checkpoint() if path.is_dir() else None
     if latest is None:

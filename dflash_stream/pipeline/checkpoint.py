@@ -20,11 +20,17 @@ from dflash_stream.diskfull import retry_when_full
 from dflash_stream.errors import DFlashError
 from dflash_stream.rundir import COMPLETE, RunDir, checkpoint_step, fsync, write_atomic
 
-__all__ = ["COMPLETE", "KEEP", "begin", "checkpoint_step", "complete_checkpoints", "drop_ledger_after",
-           "latest_checkpoint", "ledger_dir", "load", "load_torch", "publish", "save", "save_torch",
-           "write_ledger"]
+__all__ = ["COMPLETE", "SHARED_STATE", "begin", "checkpoint_step", "complete_checkpoints", "drop_ledger_after",
+           "latest_checkpoint", "ledger_dir", "load", "load_torch", "optimizer_state", "publish", "rank_state_file", "save",
+           "save_torch", "write_ledger"]
 
-KEEP = 2
+SHARED_STATE = "trainer_state.pt"
+"""Optimizer, scheduler and the step's counters, written by rank 0."""
+
+
+def rank_state_file(rank: int | str) -> str:
+    """Each trainer rank's own state: its data position, random streams and sample count ("*": a glob)."""
+    return f"trainer-{rank}.pt"
 
 
 def complete_checkpoints(output_dir: str | Path) -> list[Path]:
@@ -81,15 +87,34 @@ def load_torch(path: Path) -> Any:
 
 
 def begin(output_dir: str | Path, step: int) -> Path:
-    """A fresh staging folder for checkpoint `step` (leftovers of an interrupted attempt are discarded)."""
-    staging = RunDir(output_dir).staging(step)
-    shutil.rmtree(staging, ignore_errors=True)
+    """A fresh staging folder for checkpoint `step`. Leftovers of interrupted attempts (staging folders and
+    folders without COMPLETE, at any step) are discarded first: one checkpoint is written at a time, so at most
+    `train.keep_checkpoints` + 1 exist on disk, as `plan` counts them."""
+    run = RunDir(output_dir)
+    for _, path in run.incomplete_checkpoints():
+        shutil.rmtree(path, ignore_errors=True)
+    staging = run.staging(step)
     retry_when_full(f"checkpoint folder {staging}", staging.parent, lambda: staging.mkdir(parents=True, exist_ok=True))
     return staging
 
 
-def publish(output_dir: str | Path, step: int) -> Path:
-    """Make the staged checkpoint durable: fsync its files, rename it into place, write COMPLETE last."""
+def optimizer_state(optimizer: torch.optim.Optimizer, dtype: str) -> dict[str, Any]:
+    """The optimizer's state_dict with its floating-point moments in `dtype` (train.optimizer_state_dtype).
+    `load_state_dict` casts them back to the parameters' dtype on resume."""
+    state = optimizer.state_dict()
+    if dtype == "float32":
+        return state
+    target = getattr(torch, dtype)
+    state["state"] = {
+        index: {k: v.to(target) if k != "step" and torch.is_floating_point(v) else v for k, v in per_param.items()}
+        for index, per_param in state["state"].items()
+    }
+    return state
+
+
+def publish(output_dir: str | Path, step: int, keep: int = 2) -> Path:
+    """Make the staged checkpoint durable: fsync its files, rename it into place, write COMPLETE last; then
+    keep the newest `keep` complete checkpoints (train.keep_checkpoints)."""
     run = RunDir(output_dir)
     staging, final = run.staging(step), run.checkpoint(step)
     for item in staging.iterdir():
@@ -103,25 +128,24 @@ def publish(output_dir: str | Path, step: int) -> Path:
     fsync(marker)
     fsync(final)
     fsync(final.parent)
-    _prune(run)
+    _prune(run, keep)
     return final
 
 
-def _prune(run: RunDir) -> None:
-    """Keep the newest KEEP complete checkpoints; drop older ones and abandoned partial folders below them."""
+def _prune(run: RunDir, keep: int) -> None:
+    """Keep the newest `keep` complete checkpoints; drop older ones and abandoned partial folders below them."""
     complete = run.complete_checkpoints()
-    for old in complete[:-KEEP]:
+    for old in complete[:-keep]:
         shutil.rmtree(old)
-    oldest_kept = checkpoint_step(complete[-KEEP]) if len(complete) >= KEEP else 0
-    for path in run.checkpoints.glob("*step-*"):
-        step = path.name.removeprefix(".").removeprefix("step-").removesuffix(".tmp")
-        if step.isdigit() and int(step) < oldest_kept and not (path / COMPLETE).is_file():
+    oldest_kept = checkpoint_step(complete[-keep]) if len(complete) >= keep else 0
+    for step, path in run.incomplete_checkpoints():
+        if step < oldest_kept:
             shutil.rmtree(path)
 
 
 def save(output_dir: str | Path, step: int, rank: int, *, rank_state: dict[str, Any],
          ledger: list[dict[str, Any]], write_shared: Callable[[Path], None] | None,
-         barrier: Callable[[], None]) -> Path:
+         barrier: Callable[[], None], keep: int = 2) -> Path:
     """Checkpoint `step`, collective over the trainers (`barrier` syncs them): rank 0 stages the folder,
     every rank writes its ledger and its `trainer-<rank>.pt`, rank 0 also the shared files
     (`write_shared(staging)`), and once all are written rank 0 publishes it. Returns the final folder."""
@@ -130,12 +154,12 @@ def save(output_dir: str | Path, step: int, rank: int, *, rank_state: dict[str, 
     barrier()
     staging = RunDir(output_dir).staging(step)
     write_ledger(output_dir, rank, step, ledger)
-    save_torch(rank_state, staging / f"trainer-{rank}.pt")
+    save_torch(rank_state, staging / rank_state_file(rank))
     if write_shared is not None:
         write_shared(staging)
     barrier()
     if rank == 0:
-        publish(output_dir, step)
+        publish(output_dir, step, keep)
     barrier()
     return RunDir(output_dir).checkpoint(step)
 
@@ -143,13 +167,13 @@ def save(output_dir: str | Path, step: int, rank: int, *, rank_state: dict[str, 
 def load(path: Path, rank: int, trainers: int) -> tuple[dict[str, Any], dict[str, Any]]:
     """(shared state, this rank's state) of checkpoint `path`, refused in one line when it was written by
     another number of trainers (each rank's data position is in its own file)."""
-    parts = sorted(p.name for p in path.glob("trainer-*.pt"))
+    parts = sorted(p.name for p in path.glob(rank_state_file("*")))
     if len(parts) != trainers:
         raise DFlashError(
             f"checkpoint {path} was written by {len(parts)} trainer(s) but this launch has {trainers}; "
             "resume with the same number of trainers (roles.trainers)"
         )
-    return load_torch(path / "trainer_state.pt"), load_torch(path / f"trainer-{rank}.pt")
+    return load_torch(path / SHARED_STATE), load_torch(path / rank_state_file(rank))
 
 
 def write_ledger(output_dir: str | Path, index: int, step: int, entries: list[dict[str, Any]]) -> Path:

@@ -20,9 +20,10 @@ from dflash_stream.diskfull import retry_when_full
 from dflash_stream.errors import DFlashError
 from dflash_stream.log import get_logger, setup_logging
 from dflash_stream.observe.metrics import MetricsWriter, TrainingTracker, peak_store_bytes
+from dflash_stream.observe.summary import summary_table
 from dflash_stream.pipeline.common import open_store, save_resolved_config, store_layout
 from dflash_stream.pipeline.guard import hold_output, stop_with_launcher
-from dflash_stream.pipeline.roles import RoleInfo, assign_role, init_distributed
+from dflash_stream.pipeline.roles import RoleInfo, assign_role, init_distributed, resolve_launch
 from dflash_stream.preflight import check_run_paths
 from dflash_stream.rundir import RunDir, write_atomic
 from dflash_stream.store import lease
@@ -46,6 +47,11 @@ def _first_rank_opens_store(cfg: Config, role: RoleInfo, layer_ids: list[int], h
         try:
             hold_output(cfg, ("extract", "train"))
             save_resolved_config(cfg)
+            from dflash_stream.observe.disk import check_run_disk
+            from dflash_stream.target_model import load_target_config
+
+            # The whole footprint (store budget, checkpoints, export, data, metrics) against the free disk.
+            check_run_disk(cfg, load_target_config(cfg.target), layer_ids)
             store = open_store(cfg, layer_ids, hidden_size)
             # A trainer's own claims survive: its checkpoint may record a half-trained segment it resumes.
             trainers = [f"trainer-{i}" for i in range(1 if single else cfg.roles.trainers)]
@@ -100,8 +106,7 @@ def write_summary(cfg: Config, store, started: float) -> dict[str, Any]:
         "eval": lead.get("eval"),
     }
     write_atomic(run.summary, json.dumps(summary, indent=2))
-    width = max(len(k) for k in summary)
-    lines = [f"  {k.ljust(width)}  {v if not isinstance(v, dict) else json.dumps(v)}" for k, v in summary.items()]
+    lines = summary_table(summary)
     print("\nrun summary (" + str(run.summary) + ")\n" + "\n".join(lines), flush=True)
     return summary
 
@@ -193,9 +198,14 @@ def run_command(args: argparse.Namespace) -> int:
     stop_with_launcher()
     cfg = load_config(args.config, args.overrides)
     check_run_paths(cfg)  # before anything is written
+    chosen_by = resolve_launch(cfg)
     role = assign_role(cfg)
     setup_logging(role.role, role.index, show_bar=role.speaks_for_role)
     device = _device(cfg)
+    if role.global_rank == 0 and role.role != "single":
+        log.info("roles: %d extractor(s) + %d trainer(s) of %d processes (%s)", role.world_size - cfg.roles.trainers,
+                 cfg.roles.trainers, role.world_size, chosen_by or "roles.trainers in the config")
+    _check_memory(cfg, role, device)
     layer_ids, hidden_size = store_layout(cfg)
     output = Path(cfg.output_dir)
     if role.global_rank == 0:
@@ -225,6 +235,19 @@ def run_command(args: argparse.Namespace) -> int:
     if dist.is_initialized():
         dist.destroy_process_group()
     return 0
+
+
+def _check_memory(cfg: Config, role: RoleInfo, device: torch.device) -> None:
+    """Refuse a role whose estimated peak exceeds its GPU, warn when it leaves little headroom (observe.memory).
+    On CPU the roles share the host's RAM and nothing is checked."""
+    if device.type != "cuda":
+        return
+    from dflash_stream.observe.memory import startup_check
+
+    total = torch.cuda.get_device_properties(device).total_memory
+    warning = startup_check(cfg, role.role, int(cfg.roles.device_memory or total))
+    if warning:
+        log.warning("GPU memory: %s", warning)
 
 
 def _device(cfg: Config) -> torch.device:

@@ -22,9 +22,10 @@ def block_size(path: Path) -> int:
     return max(4096, os.statvfs(path).f_frsize)
 
 
-def du(path: Path, skip_below: frozenset[str] = frozenset()) -> int:
-    """Allocated bytes of `path` and everything under it; for directories named in `skip_below`, only the
-    directory itself and its direct subdirectories (their contents are accounted elsewhere)."""
+def du(path: Path, skip_below: frozenset[str] = frozenset(), only_itself: frozenset[str] = frozenset()) -> int:
+    """Allocated bytes of `path` and everything under it; for directories of `path` named in `skip_below`, only
+    the directory itself and its direct subdirectories, for those named in `only_itself` only the directory
+    (their contents are accounted elsewhere)."""
     total = 0
     stack = [(path, False)]
     while stack:
@@ -37,7 +38,8 @@ def du(path: Path, skip_below: frozenset[str] = frozenset()) -> int:
                     except FileNotFoundError:
                         continue
                     total += st.st_blocks * 512
-                    if entry.is_dir(follow_symlinks=False) and not shallow:
+                    if entry.is_dir(follow_symlinks=False) and not shallow and not (
+                            current == path and entry.name in only_itself):
                         stack.append((Path(entry.path), entry.name in skip_below and current == path))
         except FileNotFoundError:
             continue

@@ -17,8 +17,8 @@ from dflash_stream import diskfull
 from dflash_stream.log import get_logger
 from dflash_stream.rundir import write_atomic
 from dflash_stream.store import budget as bud
-from dflash_stream.store import lease
-from dflash_stream.store.codecs import CODECS
+from dflash_stream.store import codecs, lease, sizes
+from dflash_stream.store.backpressure import BackpressureLog
 from dflash_stream.store.errors import (
     BudgetTooSmall,
     CorruptChunk,
@@ -32,19 +32,15 @@ from dflash_stream.store.segment import (
     Sample,
     StoredSample,
     check_samples,
-    disk_bound,
     encode_segment,
     files_bound,
-    raw_bytes,
     read_segment,
     write_files,
 )
 
 log = get_logger("store")
 DIRS = ("segments", "tmp", "info", "ready", "claimed", "done", "writers", "budget", "budget/reserved", "budget/waiting",
-        "locks", "quarantine")
-BASE_BLOCKS = 2 * len(DIRS) + 8
-"""Blocks the empty store takes: its directories, store.json, the lock and a few markers."""
+        "budget/records", "locks", "quarantine")
 _ID = re.compile(r"^[A-Za-z0-9_-]+$")
 POLL_SECONDS = (0.02, 0.5)
 QUARANTINE_SHARE = 0.25
@@ -99,11 +95,6 @@ class SegmentInfo:
     """`<segment>.<part>` of the quarantined segment whose samples it holds again."""
 
 
-def min_budget(max_segment_raw_bytes: int, width: int, block: int, codec: str) -> int:
-    tokens = max_segment_raw_bytes // (2 * width + 5) + 1
-    return disk_bound(max_segment_raw_bytes, tokens, width, block, codec) + (BASE_BLOCKS + bud.SLACK_BLOCKS + 4) * block
-
-
 class Store:
     """Open with `Store.open`; see the package docstring for the layout and the lifecycle."""
 
@@ -126,16 +117,15 @@ class Store:
     def open(cls, path: str | os.PathLike, *, budget: int, codec: str, reuse: int, fingerprint: dict,
              max_segment_raw_bytes: int, create: bool = True, keep_free: int = 0) -> Store:
         path = Path(path)
-        if codec not in CODECS:
-            raise StoreError(f"unknown store codec '{codec}'; allowed: {', '.join(CODECS)}")
+        if codec not in codecs.REGISTRY:
+            raise StoreError(f"unknown store codec '{codec}'; allowed: {', '.join(codecs.names())}")
         if reuse < 1:
             raise StoreError(f"store reuse must be >= 1, got {reuse}")
         try:
             width = len(fingerprint["layer_ids"]) * int(fingerprint["hidden_size"])
         except (KeyError, TypeError, ValueError):
             raise StoreError("the store fingerprint must give layer_ids and hidden_size (the shape of the states)") from None
-        existing = next(p for p in (path, *path.parents) if p.exists())
-        smallest = min_budget(max_segment_raw_bytes, width, bud.block_size(existing), codec)
+        smallest = sizes.smallest_budget(path, max_segment_raw_bytes, width, codec)
         if budget < smallest:
             raise BudgetTooSmall(
                 f"store budget {budget:,} bytes cannot hold one worst-case segment of {max_segment_raw_bytes:,} raw "
@@ -312,13 +302,26 @@ class Store:
 
     def _used(self) -> int:
         """Published segments at their recorded size, plus everything outside segments and partial writes.
-        Segments are listed before the rest is measured, so a segment deleted in between is still counted."""
+        Segments are listed before the rest is measured, so a segment deleted in between is still counted.
+        Records (info/) and release markers (done/) only accumulate: their directories are measured themselves,
+        the records through their writers' running totals, so this costs the same after any number of segments."""
         charged = 0
         for seg in self._ls("segments"):
             info = self._record(seg)
             # A segment dir without its record is a crashed publish being recovered: measure it.
             charged += info.bytes if info else bud.du(self.path / "segments" / seg)
-        return charged + bud.du(self.path, frozenset({"segments", "tmp"}))
+        rest = bud.du(self.path, frozenset({"segments", "tmp"}), frozenset({"info", "done"}))
+        return charged + rest + self._records_bytes()
+
+    def _records_bytes(self) -> int:
+        """Bytes of the records in info/, as each writer totals its own (budget/records/<writer>)."""
+        total = 0
+        for w in self._ls("budget/records"):
+            try:
+                total += int((self.path / "budget" / "records" / w).read_text() or 0)
+            except (FileNotFoundError, ValueError):
+                continue
+        return total
 
     def _has_marker(self, seg: str) -> bool:
         names = self._ls("ready") + self._ls("done") + [n for c in self._ls("claimed") for n in self._ls(f"claimed/{c}")]
@@ -416,10 +419,15 @@ class SegmentWriter:
     def __init__(self, store: Store, writer_id: str) -> None:
         self.store, self.id = store, writer_id
         self.waited_seconds = 0.0
+        self._pressure = BackpressureLog(log, writer_id)
         store._clean_writer(writer_id)
         (store.path / "writers" / f"{writer_id}.finished").unlink(missing_ok=True)
-        mine = [n.removesuffix(".json").rpartition(".")[2] for n in store._ls("info") if n.startswith(f"{writer_id}.")]
-        self._seq = max((int(s) for s in mine if s.isdigit()), default=-1) + 1
+        mine = [n for n in store._ls("info") if n.startswith(f"{writer_id}.") and n.endswith(".json")]
+        seqs = [n.removesuffix(".json").rpartition(".")[2] for n in mine]
+        self._seq = max((int(s) for s in seqs if s.isdigit()), default=-1) + 1
+        # The running total of this writer's records, recounted once per start (after any crash).
+        self._records = sum(_blocks(store.path / "info" / n) for n in mine)
+        _write_json(store.path / "budget" / "records" / writer_id, self._records)
         (store.path / "tmp" / writer_id).mkdir(exist_ok=True)
 
     def write(self, samples: list[Sample], pass_index: int = 0, block: bool = True, first_use: int = 0,
@@ -427,7 +435,7 @@ class SegmentWriter:
         """`first_use` and `replaces` (a tag from `Store.redo_requests`) write a damaged segment's samples again."""
         st = self.store
         tokens = check_samples(samples, st.width)
-        raw = raw_bytes(tokens, len(samples), st.width)
+        raw = sizes.raw_bytes(tokens, len(samples), st.width)
         seg = f"{self.id}.{self._seq:06d}"
         record = {"segment_id": seg, "pass_index": pass_index, "sample_ids": [int(s.sample_id) for s in samples],
                   "num_tokens": tokens, "raw_bytes": raw}
@@ -477,11 +485,15 @@ class SegmentWriter:
         # Published: from here on only forward, never undone.
         st._info[seg] = info
         diskfull.retry_when_full(f"the markers of segment {seg}", st.path, lambda: st._mark_published(seg))
+        # Counted under the reservation until here, the record now joins this writer's total.
+        self._records += _blocks(st.path / "info" / f"{seg}.json")
+        _write_json(st.path / "budget" / "records" / self.id, self._records)
         self._unreserve()
         self._seq += 1
         return info
 
     def finish(self) -> None:
+        self._pressure.flowing(final=True)
         (self.store.path / "writers" / f"{self.id}.finished").touch()
 
     # ---- budget --------------------------------------------------------------------------------------------
@@ -530,20 +542,23 @@ class SegmentWriter:
                 with contextlib.suppress(OSError):  # only a hint for the trainers; a full disk may refuse it
                     (st.path / "budget" / "waiting" / self.id).touch()
                 if fits_disk:
-                    log.info("writer %s waits for the trainer to free space: used %s + reserved %s of budget %s "
-                             "bytes, %s bytes needed", self.id, f"{used:,}", f"{reserved:,}", f"{st.budget:,}",
-                             f"{need:,}")
+                    self._pressure.blocked(f"used {used:,} + reserved {reserved:,} of budget {st.budget:,} bytes, "
+                                           f"{need:,} bytes needed")
                 else:
                     log.warning("writer %s waits for space: the filesystem under %s has %s bytes free (store.keep_free "
                                 "keeps %s of them), below what store.budget allows; %s bytes needed", self.id,
                                 st.path, f"{free:,}", f"{st.keep_free:,}", f"{need:,}")
+            else:
+                self._pressure.remind()
             time.sleep(delay)
             delay = min(delay * 2, POLL_SECONDS[1])
         if waiting_since is not None:
             waited = time.monotonic() - waiting_since
             self.waited_seconds += waited
             (st.path / "budget" / "waiting" / self.id).unlink(missing_ok=True)
-            log.info("writer %s resumes after waiting %.1f s for space", self.id, waited)
+            self._pressure.resumed(waited)
+        else:
+            self._pressure.flowing()
 
     def _unreserve(self) -> None:
         (self.store.path / "budget" / "reserved" / self.id).unlink(missing_ok=True)
@@ -663,6 +678,14 @@ class SegmentConsumer:
         """Some claim will come back to READY for another use."""
         st = self.store
         return any(_marker(n)[1] + 1 < st.reuse for c in st._ls("claimed") for n in st._ls(f"claimed/{c}"))
+
+
+def _blocks(path: Path) -> int:
+    """Allocated bytes of one file, as `du` counts them."""
+    try:
+        return os.stat(path).st_blocks * 512
+    except FileNotFoundError:
+        return 0
 
 
 def _probe_writable(path: Path) -> None:
