@@ -125,10 +125,14 @@ class _Leases:
             time.sleep(HEARTBEAT_SECONDS)
             me = _me()
             with self.lock:  # `release` takes it too: a lease released meanwhile is not mistaken for lost
-                for path, what in self.held.items():
+                for path, what in list(self.held.items()):
                     holder = _read(path)
-                    if holder is None or not _same(holder, me):
-                        taker = describe(holder) if holder else "another process"
+                    if holder is None:  # its folder was removed: nothing left to hold, nobody else holds it
+                        log.warning("%s vanished (%s was removed); no longer held", what, path)
+                        del self.held[path]
+                        continue
+                    if not _same(holder, me):
+                        taker = describe(holder)
                         log.error("lost %s to %s (this process was judged stale); stopping at once so that two "
                                   "processes never share it", what, taker)
                         os.kill(os.getpid(), signal.SIGKILL)
