@@ -17,6 +17,7 @@ import os
 import sys
 
 from dflash_stream import __version__
+from dflash_stream.diskfull import is_full
 from dflash_stream.errors import DFlashError, os_error_line
 
 # command -> the module whose `register(subparsers)` defines it (a module may define several commands)
@@ -38,6 +39,8 @@ BENCHES = {
     "store": "dflash_stream.bench.store",
     "extract": "dflash_stream.bench.extract",
     "pipeline": "dflash_stream.bench.pipeline",
+    "compile": "dflash_stream.bench.compile",
+    "memory": "dflash_stream.bench.memory",
     "gpu": "dflash_stream.bench.gpu",
 }
 
@@ -92,6 +95,11 @@ def main(argv: list[str] | None = None) -> int:
         return 141
     except OSError as err:  # a path the user named cannot be read or written: one line, not a traceback
         print(f"dflash-stream: error: {os_error_line(err)}", file=sys.stderr)
+        return 2
+    except Exception as err:  # a full disk as a library reports it (safetensors: "os error 28"); every write resumes
+        if not is_full(err):
+            raise
+        print(f"dflash-stream: error: disk full ({err}); free space and run the same command again", file=sys.stderr)
         return 2
 
 

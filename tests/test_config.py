@@ -85,3 +85,12 @@ def test_cli_prints_one_line_and_exits_2(minimal, capsys):
     assert main(["audit", str(minimal.parent / "no-such-run")]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("dflash-stream: error:") and "\n" not in err
+
+
+def test_store_codec_names_are_the_registry() -> None:
+    import typing
+
+    from dflash_stream.config import StoreConfig
+    from dflash_stream.store import codecs
+
+    assert typing.get_args(StoreConfig.model_fields["codec"].annotation) == codecs.names()

@@ -144,3 +144,75 @@ def test_token_budget_batches_count_padding():
     assert batches[0] == [5]  # longer than the budget: a batch of its own, never dropped
     flat = [lengths[i] for b in batches for i in b]
     assert flat == sorted(flat, reverse=True)
+
+
+def _strip_none(value):
+    """A row as the datasets loader would hold it, minus the None columns it adds for absent keys."""
+    if isinstance(value, dict):
+        return {k: _strip_none(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_strip_none(v) for v in value]
+    return value
+
+
+@pytest.mark.parametrize("name", DEMO_FILES)
+def test_local_json_rows_are_the_datasets_loaders_rows_in_the_same_order(name):
+    """Sample ids hash row positions: reading local JSON ourselves must keep every row where it was."""
+    import datasets
+
+    from dflash_stream.config import SourceConfig
+    from dflash_stream.data.sources import load_source
+
+    rows, malformed = load_source(SourceConfig(path=str(DEMO / name)), 0)
+    reference = datasets.load_dataset("json", data_files=[str(DEMO / name)], split="train")
+    assert malformed == [] and len(rows) == len(reference)
+    assert [_strip_none(rows[i]) for i in range(len(rows))] == [_strip_none(r) for r in reference]
+
+
+def test_malformed_lines_are_counted_with_file_and_line_never_fatal(tmp_path, tokenizer):
+    good = [{"prompt": f"Say the number {i} in words, please.", "response": f"The number is {i}. " * 12}
+            for i in range(6)]
+    lines = [json.dumps(good[0]), "{not json", json.dumps(good[1]), "", json.dumps([1, 2]), "42",
+             json.dumps(good[2]), '"a string"', json.dumps(good[3]), "\xff\xfe garbage", json.dumps(good[4])]
+    (tmp_path / "rows.jsonl").write_text("\n".join(lines) + "\n", encoding="latin-1")
+    (tmp_path / "tasks.json").write_text(json.dumps([good[5], "not an object", good[5]]))
+    sources = [{"path": str(tmp_path / "rows.jsonl")}, {"path": str(tmp_path / "tasks.json")}]
+    samples, report = prepare_shard(make_cfg(tmp_path, sources), tokenizer, 0, 1)
+    assert report.skipped["malformed_line"] == 6
+    assert report.examples["malformed_line"] == ["rows.jsonl#2", "rows.jsonl#5", "rows.jsonl#6", "rows.jsonl#8",
+                                                 "rows.jsonl#10"]  # 1-based line numbers, blank lines skipped
+    written = json.loads((tmp_path / "out" / "data" / "report-0.json").read_text())
+    assert written["skipped"]["malformed_line"] == 6
+    assert len(samples) == report.kept == 7 == report.rows - sum(report.skipped.values())
+    # Two shards: the rows split between them, the malformed lines are counted once (by shard 0).
+    reports = [prepare_shard(make_cfg(tmp_path, sources), tokenizer, i, 2)[1] for i in range(2)]
+    assert [r.skipped["malformed_line"] for r in reports] == [6, 0]
+    assert sum(r.kept for r in reports) == 7
+    limited = prepare_shard(make_cfg(tmp_path, [{**sources[0], "limit": 2}]), tokenizer, 0, 1)[1]
+    assert limited.kept == 2
+
+
+@pytest.mark.parametrize("content", ["", "\n\n", "[]"])
+def test_an_empty_source_says_no_rows_in_file(tmp_path, tokenizer, content):
+    path = tmp_path / ("empty.json" if content == "[]" else "empty.jsonl")
+    path.write_text(content)
+    with pytest.raises(ConfigError, match=rf"data.sources\[0\].path: no rows in {path}$"):
+        prepare_shard(make_cfg(tmp_path, [{"path": str(path)}]), tokenizer, 0, 1)
+
+
+def test_keeping_very_few_samples_warns(tmp_path, tokenizer, caplog):
+    rows = [{"prompt": f"Question {i}?", "response": "A long enough answer to keep this row. " * 4} for i in range(3)]
+    rows += [{"text": "no known shape"}] * 40
+    (tmp_path / "few.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    import logging
+
+    logger = logging.getLogger("dflash_stream")
+    logger.addHandler(caplog.handler)  # setup_logging (run by other tests) stops propagation to the root
+    try:
+        _, report = prepare_shard(make_cfg(tmp_path, [{"path": str(tmp_path / "few.jsonl")}]), tokenizer, 0, 1)
+    finally:
+        logger.removeHandler(caplog.handler)
+    assert report.kept == 3
+    warning = {r.getMessage() for r in caplog.records if r.levelname == "WARNING"}
+    assert warning == {"data shard 0 keeps only 3 of 43 rows (skipped: unknown_format 40); check data.format "
+                       "and data.max_length, and see data/report-0.json for which rows were skipped and why"}

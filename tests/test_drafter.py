@@ -258,6 +258,83 @@ def test_loss_backpropagates_only_into_drafter(tiny):
     assert not head.embed_weight.requires_grad and head.embed_weight.grad is None
 
 
+def _pinned_case(chunk_rows):
+    """A seeded drafter, head and ragged batch; (loss output, two gradient figures) after backward."""
+    from dflash_stream.drafter import TargetHead
+
+    torch.manual_seed(0)
+    spec = small_spec()
+    drafter = DFlashDrafter(spec)
+    head = TargetHead(torch.randn(spec.vocab_size, spec.hidden_size, generator=torch.Generator().manual_seed(1)))
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, spec.vocab_size, (3, 40), generator=g)
+    mask = torch.rand(3, 40, generator=g) > 0.2
+    lengths = torch.tensor([40, 33, 25])
+    for row, length in enumerate(lengths.tolist()):
+        mask[row, length:] = False
+    batch = {"hidden_states": features(3, 40, spec, seed=3), "input_ids": ids, "loss_mask": mask, "lengths": lengths}
+    out = dflash_loss(drafter, head, batch, num_anchors=6, gamma=7.0, generator=torch.Generator().manual_seed(4),
+                      chunk_rows=chunk_rows)
+    out.loss.backward()
+    grads = (drafter.fc.weight.grad.double().norm().item(), drafter.layers[1].mlp.down_proj.weight.grad.double().sum().item())
+    return out, grads
+
+
+@pytest.mark.parametrize("chunk_rows", [None, 5, 2048])
+def test_loss_numbers_pinned_across_the_chunked_head(chunk_rows):
+    """Loss, weight, per-slot counts and two gradient figures as the unchunked loss computed them before the LM
+    head was chunked (same seeds), for the plain path, small ragged chunks and one chunk."""
+    out, (fc_norm, down_sum) = _pinned_case(chunk_rows)
+    assert out.loss.item() == pytest.approx(26.7116756439209, rel=1e-5)
+    assert out.weight.item() == pytest.approx(33.54747772216797, rel=1e-6)
+    assert out.count.tolist() == [18.0, 11.0, 8.0] and out.correct.tolist() == [0.0, 0.0, 0.0]
+    assert fc_norm == pytest.approx(0.4382434939895425, rel=1e-5)
+    assert down_sum == pytest.approx(0.0037780456925631256, rel=1e-5)
+
+
+@pytest.mark.parametrize("rows, chunk_rows", [(300, 64), (300, 1), (300, 300), (300, 1000), (0, 16)])
+def test_chunked_head_loss_equals_unchunked_in_float32(rows, chunk_rows):
+    """Same weighted CE sum, argmax hits and input gradient (float32, <= 1e-5 relative) as plain autograd."""
+    from dflash_stream.drafter.loss import head_cross_entropy
+
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randn(500, 24, generator=g)
+    target = torch.randint(0, 500, (rows,), generator=g)
+    w = torch.rand(rows, generator=g)
+    base = torch.randn(rows, 24, generator=g) * 3
+    results = []
+    for chunk in (None, chunk_rows):
+        hidden = base.clone().requires_grad_(True)
+        total, hits = head_cross_entropy(hidden, weight, target, w, chunk)
+        (total * 1.7).backward()  # a non-unit upstream gradient
+        results.append((total.detach(), hits, hidden.grad))
+    (ref, ref_hits, ref_grad), (got, got_hits, got_grad) = results
+    assert torch.equal(ref_hits, got_hits) and got_hits.dtype == torch.bool
+    assert got.item() == pytest.approx(ref.item(), rel=1e-5, abs=1e-6)
+    assert got_grad.shape == ref_grad.shape == (rows, 24)
+    if rows:
+        assert float((got_grad - ref_grad).abs().max()) <= 1e-5 * float(ref_grad.abs().max())
+
+
+def test_chunked_head_loss_keeps_the_heads_dtype():
+    """A bf16 head computes its chunks in bf16, forward and backward, and hands back a gradient in the rows'
+    own dtype; the frozen head gets none."""
+    from dflash_stream.drafter.loss import head_cross_entropy
+
+    g = torch.Generator().manual_seed(1)
+    weight = torch.randn(64, 16, generator=g).to(torch.bfloat16)
+    hidden = torch.randn(10, 16, generator=g).requires_grad_(True)
+    target = torch.randint(0, 64, (10,), generator=g)
+    total, _ = head_cross_entropy(hidden, weight, target, torch.ones(10), 3)
+    total.backward()
+    assert total.dtype == torch.float32 and hidden.grad.dtype == torch.float32 and weight.grad is None
+    ref_hidden = hidden.detach().clone().requires_grad_(True)
+    ref, _ = head_cross_entropy(ref_hidden, weight, target, torch.ones(10), None)
+    ref.backward()
+    assert total.item() == pytest.approx(ref.item(), rel=1e-3)
+    assert torch.allclose(hidden.grad, ref_hidden.grad, rtol=2e-2, atol=1e-3)
+
+
 def test_expected_acceptance():
     assert expected_acceptance([]) == 1.0
     assert expected_acceptance([1.0, 1.0, 1.0]) == 4.0

@@ -200,3 +200,29 @@ def test_extract_command(tmp_path, tiny_target_dir):
     assert sorted(s.sample_id for _, s in drain(store)) == sorted(expected)
     end = [e for e in read_metrics(out) if e["event"] == "end"]
     assert end and end[0]["summary"]["samples"] == len(expected)
+
+
+def test_progress_reaches_100_percent_when_regeneration_drops_samples(tmp_path, tiny_target_dir, tiny,
+                                                                        monkeypatch):
+    """Samples whose regenerated response is too short leave the denominator: a finished shard reads 100 %;
+    regeneration has its own bar with the generated tokens/s."""
+    from dflash_stream.pipeline import extractor as extractor_module
+
+    real = extractor_module.generate_responses
+
+    def every_third_short(model, tokenizer, prompts, gen, budget):
+        responses = real(model, tokenizer, prompts, gen, budget)
+        return [r[:1] if i % 3 == 0 else r for i, r in enumerate(responses)]
+
+    monkeypatch.setattr(extractor_module, "generate_responses", every_third_short)
+    tree = make_cfg(tmp_path, tiny_target_dir, regenerate=True, min_supervised_tokens=4,
+                    generation={"max_new_tokens": 8, "batch_size": 3})
+    tree["data"]["sources"] = [{"path": str(DEMO / "prompts_only.jsonl"), "limit": 9}]
+    extractor, store = start(tree, tiny)
+    assert extractor.run() is True
+    extractor.metrics.close()
+    last = [e for e in read_metrics(tmp_path / "out") if e["event"] == "extract"][-1]
+    assert last["samples"] == last["samples_total"] == 6  # 9 prompts, 3 dropped as short_response
+    assert extractor.report.skipped["short_response"] == 3
+    assert extractor._regen_bar.n == extractor._regen_bar.total == 9
+    assert "tok/s generated" in extractor._regen_bar.postfix

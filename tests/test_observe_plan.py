@@ -34,6 +34,7 @@ def test_plan_headline_64_layers(tmp_path: Path, capsys) -> None:
         "data": {"sources": [{"path": "org/hub-dataset"}]},
         "store": {"path": str(tmp_path / "store"), "budget": "200GB", "codec": "lossless"},
         "train": {"epochs": 6},
+        "roles": {"trainers": 1},
     })
     plan = build_plan(load_config(path), samples=914_000, mean_tokens=1000, processes=4)
     assert plan["target"]["layer_ids"] == [1, 16, 31, 46, 61]
@@ -49,7 +50,7 @@ def test_plan_headline_64_layers(tmp_path: Path, capsys) -> None:
     assert b["segments_in_budget"] == int(200e9 // segment_stored)
     assert b["segments_per_pass"] == math.ceil(tokens * 51_205 / (64 * MIB))
     assert b["wraps"] == pytest.approx(tokens * 51_205 / 1.44 / 200e9)
-    # Four processes, one trainer by default: three extractors stream beside it.
+    # Four processes, one trainer as configured: three extractors stream beside it.
     t = plan["time"]
     assert t["overlapped"] and t["phases"]["extract"]["processes"] == 3
     assert t["total_seconds"] == max(t["phases"]["extract"]["seconds"], t["phases"]["train"]["seconds"])
@@ -127,7 +128,31 @@ def test_plan_warns_on_small_budget_and_hub_model(tmp_path: Path, capsys) -> Non
     plan = build_plan(load_config(_config(tmp_path, tree)))
     assert plan["target"]["layer_ids"] == [1, 9, 17, 25, 33]
     assert plan["data"]["samples"] == 100 and "limit" in plan["data"]["samples_source"]
-    assert any("under two worst-case segments" in w for w in plan["warnings"])
+    assert any("under the smallest workable budget" in w for w in plan["warnings"])
+
+
+@pytest.mark.parametrize("codec", ["lossless", "fp8", "none"])
+def test_plan_and_store_open_agree_on_the_smallest_budget(tmp_path: Path, codec: str) -> None:
+    """One rule: the budget `plan` calls the smallest workable one is exactly where `Store.open` stops refusing."""
+    from dflash_stream.pipeline.common import max_segment_raw_bytes, store_fingerprint
+    from dflash_stream.store import BudgetTooSmall, Store
+
+    tree = {"output_dir": str(tmp_path / "out"), "data": {"sources": [{"path": "org/data", "limit": 100}],
+                                                          "max_length": 512},
+            "target": {"model": "org/m", "num_layers": 8, "hidden_size": 64},
+            "store": {"path": str(tmp_path / "store"), "budget": "1MiB", "codec": codec, "segment_bytes": "2MiB"}}
+    cfg = load_config(_config(tmp_path, tree))
+    plan = build_plan(cfg)
+    smallest = plan["buffer"]["min_budget_bytes"]
+    layers = plan["target"]["layer_ids"]
+    assert any("under the smallest workable budget" in w for w in plan["warnings"])
+    kwargs = {"codec": codec, "reuse": 1, "fingerprint": store_fingerprint(cfg, layers, 64),
+              "max_segment_raw_bytes": max_segment_raw_bytes(cfg, len(layers), 64)}
+    with pytest.raises(BudgetTooSmall, match=f"smallest workable budget is {smallest:,} bytes"):
+        Store.open(cfg.store.path, budget=smallest - 1, **kwargs)
+    Store.open(cfg.store.path, budget=smallest, **kwargs)
+    cfg.store.budget = smallest
+    assert not any("smallest workable" in w for w in build_plan(cfg)["warnings"])
 
 
 def test_training_tracker_writes_jsonl_and_tensorboard(tmp_path: Path) -> None:

@@ -19,12 +19,17 @@ from matplotlib.image import imread
 from dflash_stream.cli import main
 from dflash_stream.observe.metrics import read_metrics
 from dflash_stream.observe.report import build_figures, write_report
-from dflash_stream.observe.status import collect_status
+from dflash_stream.observe.status import collect_status, render_status
 
 BUDGET = 4 * 2**30
 SEGMENT = 2**28
 SLOTS = 15
 STEP_S = 10.0  # one segment per extractor and five trainer steps every STEP_S seconds
+
+
+FINISHED_SUMMARY = {"steps": 100, "samples": 320, "peak_store_bytes": 3 * 2**30, "extract_seconds": 201.5,
+                    "extractor_backpressure_seconds": 20.0,
+                    "eval": {"acceptance_length": 2.5, "matches_target": True}}
 
 
 def write_run(out: Path, pid: int, t0: float, segments: int = 20, total: int = 400, finished: bool = False) -> None:
@@ -49,7 +54,7 @@ def write_run(out: Path, pid: int, t0: float, segments: int = 20, total: int = 4
             used -= 4 * SEGMENT // 2
         log("extractor", 0, t + 0.1, "store", used_bytes=used, reserved_bytes=SEGMENT // 2, budget_bytes=BUDGET,
             ready=written - released - 1, claimed=1, segments_written=written, segments_released=released)
-        log("trainer", 0, t + 0.2, "train", step=5 * i, loss=6.0 * math.exp(-i / 8),
+        log("trainer", 0, t + 0.2, "train", step=5 * i, total_steps=10 * segments, loss=6.0 * math.exp(-i / 8),
             acc=[0.8 * 0.9**k * i / segments for k in range(SLOTS)], tau=1.0 + 3.0 * i / segments, lr=6e-4,
             tokens=4000 * i, tok_s=400.0, data_wait_s=0.5 * i, epoch=0)
         if i % 4 == 0:
@@ -61,7 +66,7 @@ def write_run(out: Path, pid: int, t0: float, segments: int = 20, total: int = 4
         for key in list(lines):
             role, rank = key.rsplit("-", 1)
             log(role, int(rank), t0 + STEP_S * segments + 1, "end", summary={})
-        (out / "summary.json").write_text(json.dumps({"steps": 5 * segments, "samples": 16 * segments}))
+        (out / "summary.json").write_text(json.dumps(FINISHED_SUMMARY))
     (out / "metrics").mkdir(parents=True, exist_ok=True)
     for key, records in lines.items():
         (out / "metrics" / f"{key}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
@@ -85,12 +90,16 @@ def test_status_running_run_has_progress_eta_and_rates(tmp_path: Path) -> None:
     assert x["samples_per_s"] == pytest.approx(1.6)
     assert x["eta_s"] == pytest.approx(50.0)
     assert x["tok_s"] == pytest.approx(481.0)
-    assert x["backpressure_s"] == pytest.approx(2 * 20.0)
+    assert x["backpressure_s"] == pytest.approx(20.0)  # the longest-blocked extractor, as summary.json counts it
     b = s["buffer"]
     assert b["budget_bytes"] == BUDGET
     assert b["fill"] == pytest.approx((b["used_bytes"] + SEGMENT // 2) / BUDGET)
     t = s["training"]
     assert (t["step"], t["tau"], t["data_wait_s"]) == (100, pytest.approx(4.0), pytest.approx(10.0))
+    # 5 steps per STEP_S: 100 of 200 steps left at 0.5 steps/s.
+    assert (t["total_steps"], t["progress"], t["eta_s"]) == (200, 0.5, pytest.approx(200.0))
+    page = render_status(s)
+    assert "step 100 / 200 (50.0%), ETA 3m 20s" in page and "blocked on a full buffer 20.0s" in page
     assert t["loss"] == pytest.approx(6.0 * math.exp(-20 / 8))
     assert s["checkpoints"] == {"count": 5, "latest_step": 100, "latest": str(tmp_path / "checkpoints" / "step-100")}
 
@@ -108,10 +117,17 @@ def test_status_finished_run_reads_summary(tmp_path: Path, capsys) -> None:
     write_run(tmp_path, pid=_dead_pid(), t0=time.time() - 3600, finished=True)
     s = collect_status(tmp_path)
     assert s["state"] == "finished"
-    assert s["summary"] == {"steps": 100, "samples": 320}
+    assert s["summary"] == FINISHED_SUMMARY
     assert s["extraction"]["eta_s"] is None
     assert main(["status", str(tmp_path), "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["state"] == "finished"
+    status = json.loads(capsys.readouterr().out)
+    assert status["state"] == "finished"
+    assert status["extraction"]["backpressure_s"] == FINISHED_SUMMARY["extractor_backpressure_seconds"]
+    assert main(["status", str(tmp_path)]) == 0
+    page = capsys.readouterr().out
+    # The summary as a table of every figure, not a cut line of JSON.
+    assert "{" not in page and "  eval.acceptance_length  " in page.replace("   ", "  ")
+    assert "peak_store_bytes" in page and "3,221,225,472 (3.0 GiB)" in page and "201.50 (3m 22s)" in page
 
 
 def test_status_crashed_run_dead_pid(tmp_path: Path, capsys) -> None:
@@ -214,3 +230,30 @@ def test_status_watch_returns_once_the_run_is_over(tmp_path: Path, capsys) -> No
     write_run(tmp_path, pid=_dead_pid(), t0=time.time() - 3600, finished=True)
     assert main(["status", str(tmp_path), "--watch", "--interval", "0.01"]) == 0
     assert "FINISHED" in capsys.readouterr().out
+
+
+def test_plots_scale_to_their_data_and_legend_only_drawn_series() -> None:
+    """An untrained first loss far above the rest, accuracies of a few percent, and a second trainer with one
+    report (no rate to draw): the axes follow the data and the legends name only what is drawn."""
+    t0, events = 1_000_000.0, []
+    for i in range(40):
+        t = t0 + 10.0 * i
+        events.append({"time": t, "role": "extractor", "rank": 0, "event": "extract", "samples": 4 * i,
+                       "tokens": 1000 * i, "backpressure_s": 0.5 * i})
+        events.append({"time": t + 1, "role": "trainer", "rank": 0, "event": "train", "step": 5 * i,
+                       "loss": 10.8 if i == 0 else 3.0 - 0.01 * i, "tau": 1.0 + 0.002 * i,
+                       "acc": [0.05 * i / 40, 0.01], "tokens": 900 * i})
+    events.append({"time": t0 + 50, "role": "trainer", "rank": 1, "event": "train", "step": 25, "loss": 3.0,
+                   "tau": 1.0, "acc": [0.0, 0.0], "tokens": 500})
+    figs = build_figures(sorted(events, key=lambda e: e["time"]))
+
+    loss_ax = figs["loss"].axes[0]
+    low, high = loss_ax.get_ylim()
+    assert low > 2.5 and high < 3.2  # the curve after the first point fills the axis
+    assert any("off the axis: step 0 loss 10.80" in text.get_text() for text in loss_ax.texts)
+    assert figs["accuracy"].axes[0].get_ylim()[1] == pytest.approx(0.05 * 39 / 40 * 1.35)
+
+    top, bottom = figs["rates"].axes
+    assert [t.get_text() for t in top.get_legend().get_texts()] == ["extractor 0 tok/s", "trainer 0 tok/s"]
+    assert len(bottom.get_legend().get_texts()) == 3  # extractor 0 blocked, trainers 0 and 1 waited
+    assert bottom.get_ylim()[1] == pytest.approx(0.5 * 39 / 60 * 1.3)  # minutes blocked, scaled to the data

@@ -7,6 +7,7 @@ import contextlib
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -18,6 +19,7 @@ import pytest
 import yaml
 
 from dflash_stream.cli import main
+from dflash_stream.observe.status import collect_status
 from dflash_stream.pipeline.audit import audit_run
 
 REPO = Path(__file__).parent.parent
@@ -147,6 +149,12 @@ def test_combined_run_under_accelerate(tiny_target_dir, tmp_path):
     assert (Path(summary["checkpoint"]) / "model.safetensors").is_file()
     assert_exactly_once(output, epochs=2)
     assert "run summary" in out
+    # Watching agrees with the summary: the same backpressure, 100 % done, one line per backpressure spell.
+    status = collect_status(output)
+    assert status["extraction"]["backpressure_s"] == summary["extractor_backpressure_seconds"]
+    assert status["extraction"]["progress"] == 1.0 and status["training"]["progress"] == 1.0
+    held = [line for line in out.splitlines() if "held back by the full buffer (" in line]
+    assert summary["extractor_backpressure_seconds"] == 0 or 1 <= len(held) <= 3, held
 
 
 @pytest.mark.slow
@@ -219,3 +227,33 @@ def test_store_from_another_config_refused(tiny_target_dir, tmp_path, capsys):
     assert main(["run", "--config", str(config), "--data.sources.0.limit=4"]) == 0
     err = _refused(config, capsys, "--data.sources.0.limit=4", "--data.max_length=64")
     assert "max_length" in err
+
+
+def test_a_finished_run_reads_100_percent_and_a_max_steps_stop_is_named(tiny_target_dir, tmp_path, capsys):
+    """What a user watches agrees with the run: status at 100 % with the trainer's final step count, the
+    training bar at 100 %, backpressure as summary.json has it, the summary as a table; `audit` of a run that
+    train.max_steps stopped says so."""
+    config = write_run_config(tmp_path, tiny_target_dir, rows=24, **{"train.epochs": 1})
+    assert main(["run", "--config", str(config)]) == 0
+    captured = capsys.readouterr()
+    bars = re.findall(r"train: +(\d+)%\|[^|]*\| (\d+)/(\d+) ", captured.err)
+    assert bars and bars[-1][0] == "100" and bars[-1][1] == bars[-1][2]
+    assert "run summary" in captured.out and "{" not in captured.out.split("run summary")[1]
+    output = tmp_path / "out"
+    assert main(["status", str(output), "--json"]) == 0
+    status = json.loads(capsys.readouterr().out)
+    summary = json.loads((output / "summary.json").read_text())
+    assert status["state"] == "finished"
+    assert status["extraction"]["progress"] == 1.0
+    assert status["extraction"]["backpressure_s"] == summary["extractor_backpressure_seconds"]
+    assert status["training"]["step"] == status["training"]["total_steps"] == summary["steps"]
+    assert status["training"]["progress"] == 1.0
+
+    (tmp_path / "short").mkdir()
+    config = write_run_config(tmp_path / "short", tiny_target_dir, rows=24, **{"train.max_steps": 2})
+    assert main(["run", "--config", str(config)]) == 0
+    capsys.readouterr()
+    assert main(["audit", str(tmp_path / "short" / "out")]) == 0
+    page = capsys.readouterr().out
+    assert "OK: stopped by train.max_steps=2 at step 2, before the end of the data" in page
+    assert "none trained twice, none unexpected" in page

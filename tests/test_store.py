@@ -27,6 +27,7 @@ from dflash_stream.store import (
     StoreFull,
     codecs,
     segment,
+    sizes,
 )
 from dflash_stream.store.budget import SLACK_BLOCKS, du
 
@@ -117,7 +118,7 @@ def test_flipped_byte_names_segment_and_chunk(tmp_path, small_chunks):
         store.consumer("c", keep=[claim.segment_id]).read(claim)
 
 
-@pytest.mark.parametrize("codec", codecs.CODECS)
+@pytest.mark.parametrize("codec", codecs.names())
 def test_segments_are_zarr_v3_that_zarr_itself_decodes(tmp_path, small_chunks, codec):
     """The store codes chunks itself; zarr's own pipeline (zstd, crc32c check) must read the same arrays."""
     import zarr
@@ -126,9 +127,9 @@ def test_segments_are_zarr_v3_that_zarr_itself_decodes(tmp_path, small_chunks, c
     store, claim, got = round_trip(tmp_path, codec, samples)
     group = zarr.open_group(store.path / "segments" / claim.segment_id, mode="r", zarr_format=3)
     assert group.attrs["format"] == segment.FORMAT and group.attrs["codec"] == codec
-    arrays = {name: group[name][...] for name in codecs.state_arrays(codec)}
+    arrays = {name: group[name][...] for name in codecs.get(codec).arrays()}
     assert max(group[name].nchunks for name in arrays) > 1  # several chunks, the last one padded
-    states = codecs.decode_states(codec, arrays, len(LAYERS))
+    states = codecs.get(codec).decode(arrays, len(LAYERS))
     assert torch.equal(states.view(torch.int16), torch.cat([s.hidden_states for s in got]).view(torch.int16))
     assert group["sample_ids"][...].tolist() == [11, 5, 42]
     assert group["input_ids"][...].tolist() == np.concatenate([s.input_ids for s in samples]).tolist()
@@ -136,20 +137,19 @@ def test_segments_are_zarr_v3_that_zarr_itself_decodes(tmp_path, small_chunks, c
 
 def test_damaged_compressed_chunk_is_named(tmp_path, small_chunks):
     store, claim, _ = round_trip(tmp_path, "lossless", make_samples([1], [64]))
-    chunk = store.path / "segments" / claim.segment_id / "hidden_hi" / "c.1.0.0"
+    chunk = store.path / "segments" / claim.segment_id / "hidden_hi" / "c.1.0"
     data = bytearray(chunk.read_bytes())
     data[3] ^= 0x01
     chunk.write_bytes(bytes(data))
-    with pytest.raises(CorruptChunk, match=rf"segment {claim.segment_id}: chunk hidden_hi/c\.1\.0\.0 is corrupt"):
+    with pytest.raises(CorruptChunk, match=rf"segment {claim.segment_id}: chunk hidden_hi/c\.1\.0 is corrupt"):
         store.consumer("c", keep=[claim.segment_id]).read(claim)
     chunk.write_bytes(bytes(data[:2]))  # shorter than a checksum
-    with pytest.raises(CorruptChunk, match=r"chunk hidden_hi/c\.1\.0\.0 is corrupt \(checksum mismatch\)"):
+    with pytest.raises(CorruptChunk, match=r"chunk hidden_hi/c\.1\.0 is corrupt \(checksum mismatch\)"):
         store.consumer("c", keep=[claim.segment_id]).read(claim)
 
 
 @pytest.mark.parametrize(("layers", "hidden"), [([0, 2], 12), ([4], 7), ([1, 2, 3], 96)])
 def test_lossless_is_exact_for_any_width(tmp_path, small_chunks, layers, hidden):
-    """Widths that 32 does not divide get smaller channel groups (8, 1, and 32 again here)."""
     g = torch.Generator().manual_seed(1)
     width = len(layers) * hidden
     samples = [Sample(i, np.arange(n, dtype=np.int32), np.ones(n, dtype=bool),
@@ -181,13 +181,13 @@ def test_fp8_removes_channel_offsets_and_keeps_peaks_exact(tmp_path):
                        massive.view(torch.int16))
 
 
-@pytest.mark.parametrize("codec", codecs.CODECS)
+@pytest.mark.parametrize("codec", codecs.names())
 def test_disk_bound_holds_for_a_largest_segment(tmp_path, codec):
     """`disk_bound` is what the smallest workable budget rests on: a largest segment never takes more."""
     store = open_store(tmp_path / codec, codec)
     tokens = MAX_RAW // (WIDTH * 2 + 5)
     info = store.writer("w").write(make_samples([1], [tokens]))
-    assert info.bytes <= segment.disk_bound(MAX_RAW, tokens, WIDTH, store.block, codec)
+    assert info.bytes <= sizes.disk_bound(MAX_RAW, tokens, WIDTH, store.block, codec)
 
 
 @pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan"), -float("nan")])
@@ -270,10 +270,44 @@ def test_full_store_blocks_with_one_line_then_resumes(tmp_path, caplog):
         assert not done.is_set() and c.writers_waiting()
         c.release([c.claim(timeout=1)])
         t.join(timeout=10)
+        w.finish()
     assert done.is_set() and not c.writers_waiting() and w.waited_seconds > 0.3
-    waits = [r.message for r in caplog.records if "waits for the trainer" in r.message]
+    waits = [r.message for r in caplog.records if "held back by the full buffer (" in r.message]
     assert len(waits) == 1 and "bytes needed" in waits[0]
-    assert any("resumes after waiting" in r.message for r in caplog.records)
+    assert any("no longer held back: it waited" in r.message for r in caplog.records)
+
+
+def test_backpressure_logs_state_changes_and_reminders_not_every_wait(monkeypatch):
+    """134 waits make one line when the buffer starts holding the writer back, a reminder every
+    REMIND_SECONDS, and one line once writes flow freely again (a fake clock drives it)."""
+    from dflash_stream.store import backpressure
+
+    clock = [1000.0]
+    monkeypatch.setattr(backpressure.time, "monotonic", lambda: clock[0])
+    lines: list[str] = []
+
+    class Capture(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(record.getMessage())
+
+    logger = logging.getLogger("test.backpressure")
+    logger.addHandler(Capture())
+    logger.setLevel(logging.INFO)
+    pressure = backpressure.BackpressureLog(logger, "extractor-0", remind_seconds=100.0)
+    for i in range(134):  # a wait of 3 s every 5 s; every other write finds room at once
+        pressure.blocked("used 9 of 10 bytes")
+        clock[0] += 3.0
+        pressure.resumed(3.0)
+        clock[0] += 2.0
+        if i % 2:
+            pressure.flowing()  # within QUIET_SECONDS of the last wait: still the same spell
+    assert len(lines) == 1 + 134 * 5 // 100 and "held back by the full buffer (used 9 of 10 bytes)" in lines[0]
+    assert all("still held back by the full buffer" in line for line in lines[1:])
+    clock[0] += backpressure.QUIET_SECONDS
+    pressure.flowing()
+    assert lines[-1] == "writer extractor-0 no longer held back: it waited 402.0 s over 134 write(s) in 730 s"
+    pressure.flowing(final=True)
+    assert len(lines) == 1 + 6 + 1
 
 
 def test_budget_too_small_gives_the_smallest_workable_figure(tmp_path):
@@ -346,7 +380,7 @@ def test_read_only_directory(read_only_dir):
         open_store(read_only_dir)
 
 
-def test_disk_full_mid_write_leaves_a_consistent_store(tmp_path, small_chunks, monkeypatch):
+def test_disk_full_mid_write_leaves_a_consistent_store(tmp_path, small_chunks, monkeypatch, caplog):
     store = open_store(tmp_path / "s")
     w = store.writer("w")
     w.write(make_samples([1], [64]))
@@ -354,19 +388,23 @@ def test_disk_full_mid_write_leaves_a_consistent_store(tmp_path, small_chunks, m
 
     def failing_write(path, data):
         calls.append(path)
-        if len(calls) == 6:  # a few chunks in
+        if len(calls) in (6, 30):  # a few chunks into a first attempt, then into a second one
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         real_write(path, data)
 
     monkeypatch.setattr(segment, "write_file", failing_write)
-    with pytest.raises(StoreError, match=r"writing segment w.000001 .* failed: disk full; the partial write was removed"):
-        w.write(make_samples([2], [64]))
-    monkeypatch.undo()
+    # Without blocking the writer gives up at once, with nothing left behind.
+    with pytest.raises(StoreFull, match=r"filled while writing segment w.000001 .*the partial write was removed"):
+        w.write(make_samples([2], [64]), block=False)
     status = store.status()
     assert status["reserved_bytes"] == 0 and status["segments"]["ready"] == 1 and status["segments"]["writing"] == 0
     assert not (store.path / "info" / "w.000001.json").exists()
+    # Blocking, it waits for room and retries (another job took the space for a moment).
+    with caplog.at_level(logging.WARNING, logger="dflash_stream"):
+        w.write(make_samples([2], [64]))
+    assert "disk full while writing segment w.000001" in caplog.text and "retrying in 1 s" in caplog.text
+    monkeypatch.undo()
     reopened = open_store(tmp_path / "s")
-    reopened.writer("w").write(make_samples([2], [64]))
     assert reopened.stored_sample_ids() == {0: {1, 2}}
     assert reopened.status()["used_bytes"] >= du(reopened.path)
 
@@ -391,3 +429,53 @@ def test_status_and_dump_commands(tmp_path, capsys):
     assert dumped["input_ids"].tolist() == samples[1].input_ids.tolist()
     assert main(["store", "dump", str(store.path), "--sample-id", "99", "--out", str(out)]) == 2  # a user-fixable error (README: exit codes)
     assert "sample 99 is not in the store" in capsys.readouterr().err
+
+
+def test_claim_publish_release_cost_the_same_after_many_segments(tmp_path, monkeypatch):
+    """Records and release markers accumulate (the audit reads them), but one publish, claim and release lists
+    and reads the same number of directory entries and records after 20 segments as after 150. Counted, not
+    timed: every entry any listing returns, and every record read."""
+    import contextlib
+
+    counts = {"entries": 0, "records": 0}
+    real_listdir, real_scandir, real_read = os.listdir, os.scandir, Path.read_text
+
+    def listdir(path):
+        out = real_listdir(path)
+        counts["entries"] += len(out)
+        return out
+
+    def scandir(path):
+        with real_scandir(path) as it:
+            entries = list(it)
+        counts["entries"] += len(entries)
+        return contextlib.nullcontext(entries)
+
+    def read_text(self, *args, **kwargs):
+        counts["records"] += self.parent.name == "info"
+        return real_read(self, *args, **kwargs)
+
+    store = open_store(tmp_path / "s")
+    writer = store.writer("w")
+    consumer = Store.attach(store.path).consumer("c")  # as in another process: no shared record cache
+    samples = make_samples([0], [2])
+
+    def cycle() -> dict[str, int]:
+        counts.update(entries=0, records=0)
+        writer.write(samples)
+        consumer.release([consumer.claim(timeout=1)])
+        return dict(counts)
+
+    def measured(n: int) -> dict[str, int]:
+        while len(list((store.path / "info").iterdir())) < n:
+            cycle()
+        with monkeypatch.context() as m:
+            m.setattr(os, "listdir", listdir)
+            m.setattr(os, "scandir", scandir)
+            m.setattr(Path, "read_text", read_text)
+            return cycle()
+
+    early, late = measured(20), measured(150)
+    assert late == early, (early, late)
+    assert early["records"] <= 1  # the consumer reads the new segment's record once
+    assert len(list((store.path / "done").iterdir())) == 151

@@ -18,6 +18,7 @@ import torch
 import yaml
 
 from dflash_stream.config import Config, config_from_dict
+from dflash_stream.drafter.shapes import default_buckets
 from dflash_stream.observe.metrics import MetricsWriter, read_metrics
 from dflash_stream.pipeline import checkpoint as ckpt
 from dflash_stream.pipeline.common import open_store
@@ -148,8 +149,9 @@ def new_trainer(cfg: Config) -> Trainer:
     return Trainer(cfg, ONE_TRAINER, store, MetricsWriter(cfg.output_dir, "trainer", 0), torch.device("cpu"))
 
 
-def test_loss_goes_down_and_every_sample_is_trained_once_per_epoch(tmp_path, target_dir, samples):
-    cfg = make_config(tmp_path, target_dir, epochs=3)
+@pytest.mark.parametrize("fixed_shapes", ["auto", "on"])  # on: batches padded to their bucket's shape (as on CUDA)
+def test_loss_goes_down_and_every_sample_is_trained_once_per_epoch(tmp_path, target_dir, samples, fixed_shapes):
+    cfg = make_config(tmp_path, target_dir, epochs=3, fixed_shapes=fixed_shapes)
     store = fill_store(cfg, samples[:20])
     write_data_report(cfg, samples[:20])
     trainer = new_trainer(cfg)
@@ -164,6 +166,9 @@ def test_loss_goes_down_and_every_sample_is_trained_once_per_epoch(tmp_path, tar
     assert all(lr > 0 for lr in lrs[:-1]) and lrs[-1] < 0.1 * cfg.train.lr
     assert_exactly_once(Path(cfg.output_dir), samples[:20], epochs=3)
     assert_store_drained(store)
+    # Nothing is compiled on the CPU (SDPA); the bound is the plan's buckets when shapes are fixed.
+    planned = len(default_buckets(cfg.data.max_length)) if fixed_shapes == "on" else 8
+    assert all(e["graphs_compiled"] == 0 and e["graphs_planned"] == planned for e in events)
     export = trainer.export(tmp_path / "drafter")
     assert (export / "config.json").is_file() and (export / "model.safetensors").is_file()
 
@@ -374,3 +379,27 @@ def test_train_refuses_a_store_made_by_another_config_in_one_line(tmp_path, targ
     assert proc.returncode == 2, out[-2000:]
     errors = [line for line in out.splitlines() if line.startswith("dflash-stream: error:")]
     assert len(errors) == 1 and "max_length" in errors[0] and "Traceback" not in out
+
+
+def test_no_waiting_for_data_line_while_a_segment_is_ready_or_decoding(tmp_path, target_dir, samples, caplog):
+    import logging
+
+    cfg = make_config(tmp_path, target_dir, epochs=1)
+    store = open_store(cfg, LAYER_IDS, HIDDEN)
+    store.set_expected_writers(1)
+    store.writer("test-writer").write(samples[:5])
+    trainer = new_trainer(cfg)
+    logger = logging.getLogger("dflash_stream")
+    logger.addHandler(caplog.handler)  # setup_logging (run by other tests) stops propagation to the root
+    caplog.set_level(logging.INFO, logger="dflash_stream")
+    try:
+        trainer._wait_for_data()  # the segment is READY, or claimed by the reader and decoding: data on its way
+        assert not [r for r in caplog.records if "waiting for data" in r.getMessage()]
+        assert len(trainer.position) == 1
+        trainer._wait_for_data()  # now the store has nothing for us: that is a wait, said once
+        trainer._wait_for_data()
+    finally:
+        logger.removeHandler(caplog.handler)
+        trainer.close()
+    waits = {r.getMessage() for r in caplog.records if "waiting for data" in r.getMessage()}
+    assert len(waits) == 1 and "no segment ready in the store" in waits.pop()

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from dflash_stream.drafter.batches import TokenBatcher, collate
+from dflash_stream.drafter.shapes import ShapePlan
 from dflash_stream.pipeline import checkpoint as ckpt
 from dflash_stream.pipeline.trainer import WarmupCosine
 
@@ -28,40 +29,44 @@ def _samples(lengths: list[int], start: int = 0, width: int = 8) -> list[_Sample
     ]
 
 
+def _batcher(batch_tokens: int, buckets: list[int]) -> TokenBatcher:
+    return TokenBatcher(ShapePlan(buckets, batch_tokens, num_anchors=4, block_size=4))
+
+
 def test_batches_respect_the_token_budget_padding_included():
     gen = torch.Generator().manual_seed(0)
     lengths = torch.randint(5, 120, (200,), generator=gen).tolist()
-    batcher = TokenBatcher(batch_tokens=256)
+    batcher = _batcher(256, [32, 64, 128])
     batcher.add("a", _samples(lengths[:90]))
     batcher.add("b", _samples(lengths[90:], start=90))
     seen = []
     while batch := batcher.next_batch():
-        padded = len(batch) * max(m.length for m in batch)
-        assert padded <= 256
+        shape = batcher.shape(batch)
+        assert len(batch) <= shape.rows and shape.rows * shape.length <= 256
         seen += [m.sample.sample_id for m in batch]
     assert sorted(seen) == list(range(200))
 
 
 def test_an_oversized_sample_is_a_batch_of_its_own():
-    batcher = TokenBatcher(batch_tokens=64)
+    batcher = _batcher(64, [32, 128])
     batcher.add("a", _samples([10, 100, 20]))
     sizes = []
     while batch := batcher.next_batch():
-        sizes.append([m.length for m in batch])
+        sizes.append(sorted(m.length for m in batch))
     assert sizes == [[10, 20], [100]]
 
 
 def test_full_batch_ready_only_when_more_samples_would_not_fit():
-    batcher = TokenBatcher(batch_tokens=100)
+    batcher = _batcher(100, [10, 30])  # N x S: 5 x 10 (no dearer than 3 x 30), 3 x 30
     batcher.add("a", _samples([10, 10, 10]))
-    assert not batcher.full_batch_ready()  # 3 x 10 leaves room: a later segment could fill it
+    assert not batcher.full_batch_ready()  # 3 of 5 rows: a later segment could fill it
     batcher.add("b", _samples([30] * 4, start=3))
     assert batcher.full_batch_ready()
-    assert [m.segment_id for m in batcher.next_batch()] == ["a", "a", "a"]  # 4 x 30 would exceed 100
+    assert [m.segment_id for m in batcher.next_batch()] == ["b", "b", "b"]  # a full 30-token batch
 
 
 def test_collate_pads_right_and_masks_padding():
-    members = TokenBatcher(1000)
+    members = _batcher(1000, [8])
     members.add("a", _samples([3, 5]))
     batch = collate(members.next_batch(), torch.device("cpu"))
     assert batch["hidden_states"].shape == (2, 5, 8)

@@ -14,6 +14,7 @@ import torch
 
 from dflash_stream.drafter.batches import TokenBatcher
 from dflash_stream.drafter.commands import _checkpoint_dir
+from dflash_stream.drafter.shapes import ShapePlan
 from dflash_stream.observe.status import _checkpoints
 from dflash_stream.pipeline import checkpoint as ckpt
 from dflash_stream.pipeline.audit import audit_run
@@ -58,7 +59,7 @@ def test_data_position_round_trip_resumes_a_half_trained_segment_and_releases_a_
     writer = store.writer("w")
     writer.write(_samples([1, 2]))
     writer.write(_samples([3, 4, 5]))
-    position = DataPosition(store, "trainer-0", TokenBatcher(10**6))
+    position = DataPosition(store, "trainer-0", TokenBatcher(ShapePlan([4096], 10**6, num_anchors=4, block_size=4)))
     position.load_state_dict(DataPosition.EMPTY)
     for _ in range(2):
         claim = position.consumer.claim(timeout=1)
@@ -71,7 +72,7 @@ def test_data_position_round_trip_resumes_a_half_trained_segment_and_releases_a_
     assert [(r["claim"]["sample_ids"], r["trained"]) for r in state["partial"]] == [((3, 4, 5), [3])]
 
     # A restart: a new position from the saved state keeps only the untrained samples 4 and 5.
-    resumed = DataPosition(store, "trainer-0", TokenBatcher(10**6))
+    resumed = DataPosition(store, "trainer-0", TokenBatcher(ShapePlan([4096], 10**6, num_anchors=4, block_size=4)))
     resumed.load_state_dict(json.loads(json.dumps(state)))
     assert [m.sample.sample_id for m in resumed.batcher.next_batch()] == [4, 5]
     segments = store.status()["segments"]
@@ -118,3 +119,12 @@ def test_write_atomic_replaces_the_file_and_leaves_no_temporary(tmp_path):
     write_atomic(path, "old")
     write_atomic(path, "new", durable=True)
     assert path.read_text() == "new" and [p.name for p in tmp_path.iterdir()] == ["summary.json"]
+
+
+def test_write_then_rename_has_one_home():
+    """Every file replaced atomically goes through `rundir.write_atomic` (checkpoint folders and the store's
+    lifecycle moves are renames of their own, not file writes)."""
+    package = Path(__file__).resolve().parent.parent / "dflash_stream"
+    users = sorted(p.relative_to(package).as_posix() for p in package.rglob("*.py")
+                   if "os.replace(" in p.read_text() or "tmp.replace(" in p.read_text())
+    assert users == ["rundir.py"]

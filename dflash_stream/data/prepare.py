@@ -82,9 +82,15 @@ def prepare_shard(cfg: Config, tokenizer, shard_index: int, shard_count: int
         encoder = ChatEncoder(tokenizer)
     except ValueError as err:
         raise ConfigError(f"target.model: {err}") from None
-    datasets = [load_source(s, i) for i, s in enumerate(cfg.data.sources)]
+    loaded = [load_source(s, i) for i, s in enumerate(cfg.data.sources)]
+    datasets = [rows for rows, _ in loaded]
     refs = shard(plan_rows(cfg.data, [len(d) for d in datasets]), shard_index, shard_count)
     report = DataReport(shard_index, shard_count, rows=len(refs))
+    if shard_index == 0:  # malformed lines are no rows of the plan: shard 0 alone counts them, once
+        for _, malformed in loaded:
+            report.rows += len(malformed)
+            for label in malformed:
+                report.skip("malformed_line", label)
     samples = []
     for ref in refs:
         try:
@@ -95,6 +101,7 @@ def prepare_shard(cfg: Config, tokenizer, shard_index: int, shard_count: int
     report.sample_ids = [s.sample_id for s in samples]
     report.write(cfg.output_dir)
     log.info(report.summary())
+    report.warn_if_few()
     if refs and not samples:
         reasons = ", ".join(f"{reason} {n}" for reason, n in sorted(report.skipped.items()))
         raise ConfigError(f"data.sources: no usable row among the {len(refs)} of shard {shard_index} ({reasons}); "

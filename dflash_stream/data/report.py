@@ -8,9 +8,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dflash_stream.log import get_logger
 from dflash_stream.rundir import RunDir, write_atomic
 
+log = get_logger(__name__)
+
 EXAMPLES_PER_REASON = 5
+FEW_SAMPLES = 100
+"""Fewer kept samples than this train little: the run warns."""
+FEW_KEPT_SHARE = 0.1
+"""Keeping under this share of the rows hints at a wrong data.format or data.max_length: the run warns."""
 
 
 @dataclass
@@ -50,6 +57,17 @@ class DataReport:
         path = RunDir(output_dir).data_report(self.shard_index)
         path.parent.mkdir(parents=True, exist_ok=True)
         return write_atomic(path, json.dumps(self.to_dict()))
+
+    def warn_if_few(self) -> str | None:
+        """Log (and return) a warning when this shard keeps very few samples, absolutely or of its rows."""
+        if not self.kept or (self.kept >= FEW_SAMPLES and self.kept >= FEW_KEPT_SHARE * self.rows):
+            return None
+        top = ", ".join(f"{reason} {n}" for reason, n in self.skipped.most_common(3))
+        message = (f"data shard {self.shard_index} keeps only {self.kept} of {self.rows} rows"
+                   + (f" (skipped: {top})" if top else "") + "; check data.format and data.max_length, and "
+                   f"see data/report-{self.shard_index}.json for which rows were skipped and why")
+        log.warning(message)
+        return message
 
     def summary(self) -> str:
         skipped = ", ".join(f"{reason} {n} (e.g. {', '.join(self.examples[reason][:3])})"

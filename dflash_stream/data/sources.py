@@ -1,18 +1,22 @@
-"""Rows of local JSON files (read directly) or of HF `datasets` (hub names, parquet), and the stable, sharded
-order of the rows they contribute. `datasets` (and its pyarrow) is imported only where it is needed, so a run on
-local JSON data works without it (a GPU image that lacks it, say).
-"""
+"""Local JSON files (read directly) and datasets through HF `datasets` (hub names, parquet), and the stable,
+sharded order of their rows. `datasets` (and its pyarrow) is imported only where it is needed, so a run on local
+JSON data works without it (a GPU image that lacks it, say)."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 import math
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 from dflash_stream.config import ConfigError, DataConfig, SourceConfig
+from dflash_stream.log import get_logger
+
+log = get_logger(__name__)
 
 LOCAL_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 
@@ -35,65 +39,128 @@ def source_name(source: SourceConfig) -> str:
     return f"{source.path}{subset}:{source.split}"
 
 
-def _json_rows(path: Path) -> list[dict] | None:
-    """The rows of a JSON Lines file, or of a .json file holding a list of rows (or JSON Lines under that
-    name); None for other layouts, which go to the `datasets` loader."""
-    text = path.read_text(encoding="utf-8")
-    if path.suffix == ".json":
-        try:
-            rows = json.loads(text)
-        except json.JSONDecodeError:
-            rows = None  # maybe JSON Lines under a .json name
-        else:
-            return rows if isinstance(rows, list) and all(isinstance(r, dict) for r in rows) else None
-    try:
-        rows = [json.loads(line) for line in text.splitlines() if line.strip()]
-    except json.JSONDecodeError:
-        return None
-    return rows if all(isinstance(r, dict) for r in rows) else None
+class JsonRows(Sequence):
+    """The well-formed object rows of local JSON / JSON Lines files, in file order. Lines are parsed when read
+    (only their byte offsets are held, so a large file costs little memory in every extractor); the items of a
+    JSON array file are held as parsed."""
+
+    def __init__(self) -> None:
+        self.files: list[Path] = []
+        self.items: list[dict] = []
+        self._file, self._start, self._end = array("q"), array("q"), array("q")
+        self._handles: dict[int, BinaryIO] = {}
+
+    def _add(self, file_index: int, start: int, end: int) -> None:
+        self._file.append(file_index)
+        self._start.append(start)
+        self._end.append(end)
+
+    def __len__(self) -> int:
+        return len(self._start)
+
+    def __getitem__(self, row: int) -> dict:  # type: ignore[override]
+        index = self._file[row]
+        if index < 0:
+            return self.items[self._start[row]]
+        handle = self._handles.get(index)
+        if handle is None:
+            handle = self._handles[index] = self.files[index].open("rb")
+        handle.seek(self._start[row])
+        return json.loads(handle.read(self._end[row] - self._start[row]))
+
+    def scan(self, path: Path, malformed: list[str]) -> int:
+        """Add a file's rows; entries that are not JSON, or not an object, go to `malformed` as `file#line`
+        (items of a JSON array as `file[i]`). Returns how many entries the file had, good or bad."""
+        data = path.read_bytes()
+        if path.suffix == ".json":
+            try:
+                whole = json.loads(data)
+            except ValueError:
+                whole = None  # JSON Lines under a .json name, as the datasets loader also accepts
+            if isinstance(whole, list):
+                for i, item in enumerate(whole):
+                    if isinstance(item, dict):
+                        self._add(-1, len(self.items), 0)
+                        self.items.append(item)
+                    else:
+                        malformed.append(f"{path.name}[{i}]")
+                return len(whole)
+        self.files.append(path)
+        file_index, entries, start = len(self.files) - 1, 0, 0
+        for lineno, line in enumerate(data.splitlines(keepends=True), 1):
+            end = start + len(line)
+            if line.strip():
+                entries += 1
+                try:
+                    item = json.loads(line)
+                except ValueError:  # not JSON, or not UTF-8
+                    item = None
+                if isinstance(item, dict):
+                    self._add(file_index, start, end)
+                else:
+                    malformed.append(f"{path.name}#{lineno}")
+            start = end
+        return entries
 
 
-def _local_json(files: list[Path]) -> list[dict] | None:
-    rows: list[dict] = []
-    for file in files:
-        part = _json_rows(file)
-        if part is None:
-            return None
-        rows += part
-    return rows
+def _load_json_files(files: list[Path]) -> tuple[JsonRows, list[str]]:
+    rows, malformed = JsonRows(), []
+    for path in files:
+        if not rows.scan(path, malformed) and len(files) > 1:
+            log.warning("no rows in %s", path)
+    return rows, malformed
 
 
-def load_source(source: SourceConfig, index: int) -> Sequence[dict]:
-    """The source's rows: a local json/jsonl file or folder of them (read here), a local parquet file or folder,
-    or a hub dataset (a `datasets.Dataset`)."""
+def _datasets():
+    import datasets
+
+    datasets.disable_progress_bars()  # one bar per file would bury the extractor's own
+    return datasets
+
+
+def load_source(source: SourceConfig, index: int) -> tuple[Sequence, list[str]]:
+    """The source's rows (dicts), from a local json/jsonl/parquet file or folder, or a hub dataset; and the
+    labels (`file#line`) of malformed lines in local JSON files, which are skipped, not fatal."""
     key = f"data.sources[{index}].path"
     path = Path(source.path).expanduser()
+    malformed: list[str] = []
     try:
         if path.exists():
             files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.suffix in LOCAL_BUILDERS)
             builders = {LOCAL_BUILDERS.get(p.suffix) for p in files}
             if not files or None in builders or len(builders) > 1:
                 raise ConfigError(f"{key}: '{source.path}' must be .json/.jsonl/.parquet file(s) of one kind")
-            rows = _local_json(files) if builders == {"json"} else None
-            if rows is not None:
-                return rows[: source.limit] if source.limit is not None else rows
-            import datasets
-
-            datasets.disable_progress_bars()  # one bar per file would bury the extractor's own
-            ds = datasets.load_dataset(builders.pop(), data_files=[str(p) for p in files], split="train")
+            if builders == {"json"}:
+                ds, malformed = _load_json_files(files)
+            else:
+                ds = _datasets().load_dataset("parquet", data_files=[str(p) for p in files], split="train")
         else:
-            import datasets
-
-            datasets.disable_progress_bars()
-            ds = datasets.load_dataset(source.path, source.subset, split=source.split)
+            ds = _datasets().load_dataset(source.path, source.subset, split=source.split)
     except ConfigError:
         raise
     except Exception as err:
         first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise ConfigError(f"{key}: cannot load '{source.path}': {first_line}") from None
+    if len(ds) == 0 and not malformed:
+        raise ConfigError(f"{key}: no rows in {source.path}")
     if source.limit is not None and source.limit < len(ds):
-        ds = ds.select(range(source.limit))
-    return ds
+        ds = _Head(ds, source.limit) if isinstance(ds, JsonRows) else ds.select(range(source.limit))
+    return ds, malformed
+
+
+class _Head(Sequence):
+    """The first `limit` rows of a row sequence (source.limit)."""
+
+    def __init__(self, rows: Sequence, limit: int) -> None:
+        self.rows, self.limit = rows, limit
+
+    def __len__(self) -> int:
+        return self.limit
+
+    def __getitem__(self, row: int) -> dict:  # type: ignore[override]
+        if not 0 <= row < self.limit:
+            raise IndexError(row)
+        return self.rows[row]
 
 
 @dataclass(frozen=True)

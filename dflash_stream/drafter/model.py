@@ -80,15 +80,21 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return (x * cos + rotate_half(x) * sin).to(x.dtype)
 
 
+COMPILED_FLEX_DEVICES = {"cuda"}
+"""Device types where FlexAttention runs compiled. The CPU compiler has no backward pass, so only `bench compile`
+(forward only) adds "cpu"."""
+
+
 @cache
 def _compiled_flex() -> Callable:
     # FlexAttention is only fast (and memory-light) compiled; the eager fallback materialises the scores.
+    # One graph per input shape: the trainer keeps to a fixed family of shapes (drafter/shapes.py).
     return torch.compile(flex_attention, dynamic=False)
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, mask: Mask) -> Tensor:
     if isinstance(mask, BlockMask):
-        fn = _compiled_flex() if q.is_cuda else flex_attention
+        fn = _compiled_flex() if q.device.type in COMPILED_FLEX_DEVICES else flex_attention
         return fn(q, k, v, block_mask=mask, enable_gqa=True)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
 
@@ -186,6 +192,10 @@ class DFlashDrafter(nn.Module):
             x = layer(x, cos, sin, kv, mask)
         return self.norm(x)
 
+    def uses_flex(self, device: torch.device) -> bool:
+        """Whether training masks on `device` go to FlexAttention (compiled on CUDA) rather than SDPA."""
+        return self.attention == "flex" or (self.attention == "auto" and device.type == "cuda")
+
     def block_mask(self, anchors: Tensor, context_len: int) -> Mask:
         """Training mask for A blocks per sequence (anchors [N, A]) after `context_len` context keys:
         FlexAttention's BlockMask (attention `flex`, or `auto` on CUDA) or a dense bool mask (SDPA)."""
@@ -193,8 +203,7 @@ class DFlashDrafter(nn.Module):
         n, a = anchors.shape
         q_len = a * self.spec.block_size
         kv_len = context_len + q_len
-        use_flex = self.attention == "flex" or (self.attention == "auto" and anchors.is_cuda)
-        if use_flex:
+        if self.uses_flex(anchors.device):
             if not anchors.is_cuda and torch.is_grad_enabled():
                 # Off CUDA FlexAttention runs uncompiled, and torch warns its backward pass may be wrong.
                 raise ConfigError("drafter.attention=flex trains only on CUDA; use auto or sdpa on this device")

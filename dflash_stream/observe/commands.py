@@ -19,7 +19,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="the same content as JSON")
     p.add_argument("--samples", type=int, help="sample count, when the data sources cannot be counted locally")
     p.add_argument("--mean-tokens", type=float, help="average tokens per sample (default: tune's figure)")
-    p.add_argument("--processes", type=int, default=1, help="processes of the launch (extractors + trainers)")
+    launch = p.add_mutually_exclusive_group()
+    launch.add_argument("--launch", metavar="FILE", help="the accelerate config of the launch (num_processes, "
+                                                          "num_machines)")
+    launch.add_argument("--processes", type=int, help="processes of the launch (extractors + trainers); default 1")
+    p.add_argument("--gpu-memory", metavar="SIZE", help="memory of each GPU, e.g. 96GB (default: roles.device_memory, "
+                                                        "else 80 GiB)")
     p.set_defaults(func=_plan, overrides=[])
 
     t = sub.add_parser("tune", help="measure compression and throughputs on this target; recommend a budget")
@@ -42,9 +47,12 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _plan(args: argparse.Namespace) -> int:
+    from dflash_stream.observe.memory import parse_size
     from dflash_stream.observe.plan import build_plan, render_plan
 
-    plan = build_plan(load_config(args.config, args.overrides), args.samples, args.mean_tokens, args.processes)
+    gpu_memory = parse_size(args.gpu_memory) if args.gpu_memory else None
+    plan = build_plan(load_config(args.config, args.overrides), args.samples, args.mean_tokens, args.processes,
+                      args.launch, gpu_memory)
     print(json.dumps(plan, indent=2) if args.json else render_plan(plan))
     return 0
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import socket
@@ -10,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash_stream.config import ConfigError
+from dflash_stream.log import get_logger
 from dflash_stream.rundir import RunDir
 
 
@@ -21,16 +23,29 @@ class MetricsWriter:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.role, self.rank = role, rank
         self._file = self.path.open("a", buffering=1)
+        self._dropped = 0
 
     def log(self, event: str, **fields: Any) -> None:
         if event == "start":
             # `status` tells a crashed rank from a live one by this pid on this host.
             fields = {"pid": os.getpid(), "host": socket.gethostname(), **fields}
         record = {"time": time.time(), "role": self.role, "rank": self.rank, "event": event, **fields}
-        self._file.write(json.dumps(record) + "\n")
+        try:
+            self._file.write(json.dumps(record) + "\n")
+        except OSError as err:  # a full disk costs metrics lines, never the run
+            if err.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            if not self._dropped:
+                get_logger("metrics").warning("disk full: metrics lines to %s are dropped until there is room",
+                                              self.path)
+            self._dropped += 1
 
     def close(self) -> None:
-        self._file.close()
+        try:
+            self._file.close()
+        except OSError as err:
+            if err.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
 
 
 def read_metrics(output_dir: str | Path) -> list[dict[str, Any]]:

@@ -1,7 +1,8 @@
 """`dflash-stream plan`: what a run will do, how much data it moves, whether it fits, how long it takes.
 
-Everything comes from the config (plus the target's config.json / GGUF header when the model is local, and
-OUTPUT/tune.json when `tune` has measured this model); every estimate carries the source it came from.
+Everything comes from the config (plus the target's config.json / GGUF header when the model is local, the
+accelerate launch file, and OUTPUT/tune.json when `tune` has measured this model); every estimate carries the
+source it came from. Memory per role comes from `observe.memory`, the split of the launch from `pipeline.roles`.
 """
 
 from __future__ import annotations
@@ -13,18 +14,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from dflash_stream.config import Config, ConfigError
+from dflash_stream.observe.memory import ASSUMED_VOCAB, TargetDims, memory_plan, render_memory, target_dims
 from dflash_stream.observe.units import fmt_bytes, fmt_count, fmt_duration
 
-# Measured on SmolLM2-135M states (README, Benchmarks); used until `tune` measures this target.
-DESIGN_RATIOS = {"lossless": 1.44, "fp8": 2.4, "none": 1.0}
+# The codec's design ratio (store/codecs.py, measured on SmolLM2-135M states) until `tune` measures this target.
 DESIGN_RATIO_NOTE = "measured on SmolLM2-135M states, README Benchmarks (run `tune` to measure this target)"
-ENCODE_BYTES_PER_S = 0.9e9  # lossless encode of raw bf16 states, one core (`bench store`)
 # Effective (not peak) throughput of one process when nothing was measured: H100-class bf16 at ~40 % MFU,
 # or two CPU cores (SmolLM2-135M forwards ~700 tokens/s there, `bench extract`).
 ASSUMED_FLOPS = {"gpu": 4.0e14, "cpu": 1.9e11}
-ASSUMED_VOCAB = 151_936
-IDS_MASK_BYTES_PER_TOKEN = 5  # int32 token id + bool loss mask stored beside the states
+# Effective memory bandwidth of one process, for bandwidth-bound decoding: ~70 % of an H100's 3.35 TB/s HBM3
+# (96 GB-class parts such as H100 NVL and GH200 are faster), or two-channel DDR on a CPU.
+ASSUMED_BANDWIDTH = {"gpu": 2.4e12, "cpu": 2.0e10}
+PROMPT_SHARE = 1 / 3  # assumed prompt part of a regenerated sample's tokens (chat and code answers run long)
 THIN_MARGIN = 0.2  # warn when the disk left after the budget is under this fraction of the budget
 
 PHASES = [
@@ -44,17 +48,27 @@ class TargetShape:
     vocab_size: int | None
     intermediate_size: int | None
     source: str
+    num_attention_heads: int | None = None
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    tie_word_embeddings: bool | None = None
+    num_parameters: float | None = None
+    config: Any = None
+    """The target's text config when it was read (widths and heads for the drafter's size)."""
 
 
-def target_shape(cfg: Config) -> TargetShape:
-    """Depth and width from target.num_layers/hidden_size, else from a local model's config (no download)."""
+def target_shape(cfg: Config, allow_download: bool = False) -> TargetShape:
+    """Depth and width from target.num_layers/hidden_size (and the other plan hints), else from the model's
+    config: a local one, or with `allow_download` (a run that loads the model anyway) one from the hub."""
     t = cfg.target
     if t.num_layers and t.hidden_size:
-        return TargetShape(t.num_layers, t.hidden_size, None, None, "config (target.num_layers, target.hidden_size)")
+        return TargetShape(t.num_layers, t.hidden_size, t.vocab_size, t.intermediate_size,
+                           "config (target.num_layers, target.hidden_size)", None, t.num_key_value_heads,
+                           t.head_dim, None, t.num_parameters)
     from dflash_stream.target_model import load_target_config, model_location
 
     location, _ = model_location(t)
-    if not Path(location).exists():
+    if not allow_download and not Path(location).exists():
         raise ConfigError(
             f"target.model '{t.model}' is not a local folder: set target.num_layers and target.hidden_size "
             "so that plan needs no download"
@@ -64,8 +78,33 @@ def target_shape(cfg: Config) -> TargetShape:
     what = f"GGUF header of {t.gguf_file}" if t.gguf_file else f"{Path(location) / 'config.json'}"
     return TargetShape(
         tc.num_hidden_layers, tc.hidden_size, getattr(tc, "vocab_size", None),
-        getattr(tc, "intermediate_size", None), what,
+        getattr(tc, "intermediate_size", None), what, getattr(tc, "num_attention_heads", None),
+        getattr(tc, "num_key_value_heads", None), getattr(tc, "head_dim", None),
+        getattr(tc, "tie_word_embeddings", None), t.num_parameters, tc,
     )
+
+
+def read_launch(path: str | None, processes: int | None) -> dict[str, Any]:
+    """Processes of the launch: an accelerate config file (num_processes counts all machines), or --processes."""
+    if path is None:
+        n = processes or 1
+        source = "--processes" if processes else "default: one process (pass --launch FILE or --processes N)"
+        return {"num_processes": n, "num_machines": 1, "processes_per_machine": n, "source": source}
+    file = Path(path)
+    if not file.is_file():
+        raise ConfigError(f"--launch: {path} not found")
+    try:
+        tree = yaml.safe_load(file.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ConfigError(f"--launch: {path} is not valid YAML: {err}") from None
+    if not isinstance(tree, dict):
+        raise ConfigError(f"--launch: {path} must hold an accelerate config (a mapping)")
+    n, machines = tree.get("num_processes", 1), tree.get("num_machines", 1)
+    if not (isinstance(n, int) and isinstance(machines, int) and n >= machines >= 1 and n % machines == 0):
+        raise ConfigError(f"--launch: {path}: num_processes ({n}) must be a multiple of num_machines ({machines}) "
+                          "and both at least 1")
+    return {"num_processes": n, "num_machines": machines, "processes_per_machine": n // machines,
+            "source": str(path)}
 
 
 def _count_rows(path: Path) -> int | None:
@@ -112,16 +151,22 @@ def _layer_params(hidden: int, intermediate: int | None) -> int:
     return 4 * hidden * hidden + 3 * hidden * inter
 
 
+def device_kind(cfg: Config) -> str:
+    return "cpu" if cfg.target.device == "cpu" else "gpu"
+
+
 def estimated_rates(cfg: Config, shape: TargetShape, layer_ids: list[int], mean_tokens: float) -> dict[str, Any]:
     """Tokens/s of one extractor and one trainer from FLOP counts at an assumed effective device throughput."""
-    kind = "cpu" if cfg.target.device == "cpu" else "gpu"
+    kind = device_kind(cfg)
     flops = ASSUMED_FLOPS[kind]
     # Early stop: the forward runs only up to the deepest captured layer.
     extract_per_token = 2 * _layer_params(shape.hidden_size, shape.intermediate_size) * (max(layer_ids) + 1)
     d = cfg.drafter.hidden_size or shape.hidden_size
     vocab = shape.vocab_size or ASSUMED_VOCAB
+    # The drafter's MLP is the target's width unless drafter.intermediate_size says otherwise (build_spec).
+    inter = cfg.drafter.intermediate_size or shape.intermediate_size
     # Per block token: drafter layers forward+backward (6·P) and the frozen LM head (forward + input grad, 4·V·D).
-    per_block_token = 6 * _layer_params(d, cfg.drafter.intermediate_size) * cfg.drafter.num_layers + 4 * vocab * d
+    per_block_token = 6 * _layer_params(d, inter) * cfg.drafter.num_layers + 4 * vocab * d
     blocks = min(cfg.train.num_anchors, mean_tokens)
     per_sample = blocks * cfg.drafter.block_size * per_block_token + 6 * len(layer_ids) * shape.hidden_size * d * mean_tokens
     note = (f"estimated: FLOP count at an assumed {flops / 1e12:g} TFLOP/s effective per {kind.upper()} process"
@@ -185,12 +230,43 @@ def disk_space(cfg: Config, budget: int) -> dict[str, Any]:
             "headroom_bytes": free - budget}
 
 
+def footprint_for(cfg: Config, num_capture_layers: int, hidden_size: int, target_config: Any | None,
+                  samples: int | None, mean_tokens: float | None, tune: dict | None,
+                  intermediate_size: int | None = None, ratio: float | None = None) -> dict[str, Any]:
+    """The whole disk footprint (observe/disk.py) from the plan's figures; unknown ones are counted here."""
+    from dflash_stream.observe import disk
+
+    if samples is None:
+        samples = _samples(cfg, None)[0]
+    if mean_tokens is None:
+        mean_tokens = _mean_tokens(cfg, None, tune)[0]
+    shape = disk.drafter_shape(cfg, target_config, hidden_size, intermediate_size, num_capture_layers)
+    params = disk.drafter_params(shape)
+    from dflash_stream.store import codecs, sizes
+
+    ratio = ratio or codecs.get(cfg.store.codec).design_ratio
+    per_sample = sizes.raw_bytes_per_token(num_capture_layers * hidden_size) * mean_tokens
+    tokens = samples * mean_tokens if samples else None
+    steps = cfg.train.total_steps or (math.ceil(tokens * cfg.train.epochs / (
+        cfg.train.batch_tokens * cfg.train.grad_accum * disk.trainer_count(cfg))) if tokens else None)
+    if steps and cfg.train.max_steps:
+        steps = min(steps, cfg.train.max_steps)
+    uses = (math.ceil(per_sample * samples / int(cfg.store.segment_bytes)) * cfg.extraction_passes
+            * cfg.store.reuse if samples else None)
+    parts = disk.run_parts(cfg, params, samples, mean_tokens, steps, uses,
+                           samples_in_budget=min(int(cfg.store.budget) / (per_sample / ratio), samples or math.inf))
+    return {**disk.footprint(cfg, parts), "drafter_params": params, "drafter_params_source": shape.source}
+
+
 def build_plan(cfg: Config, samples: int | None = None, mean_tokens: float | None = None,
-               processes: int = 1) -> dict[str, Any]:
+               processes: int | None = None, launch_file: str | None = None,
+               gpu_memory: int | None = None) -> dict[str, Any]:
     """The whole plan as plain data (what `plan --json` prints)."""
-    from dflash_stream.pipeline.common import max_segment_raw_bytes
+    from dflash_stream.observe.store_cores import store_cores
+    from dflash_stream.store import codecs, sizes
     from dflash_stream.target_model import resolve_layer_ids
 
+    launch = read_launch(launch_file, processes)
     shape = target_shape(cfg)
     layer_ids = resolve_layer_ids(shape.num_layers, cfg.target)
     warnings: list[str] = []
@@ -205,15 +281,16 @@ def build_plan(cfg: Config, samples: int | None = None, mean_tokens: float | Non
     codec = cfg.store.codec
     measured = (tune or {}).get("compression", {}).get(codec)
     ratio, ratio_source = (measured, f"measured by tune on {tune['tokens']:,} tokens") if measured else (
-        DESIGN_RATIOS[codec], DESIGN_RATIO_NOTE if codec != "none" else "raw uint16 (run tune to see what zstd still gains)")
-    raw_tok = len(layer_ids) * shape.hidden_size * 2
-    per_token = raw_tok + IDS_MASK_BYTES_PER_TOKEN
+        codecs.get(codec).design_ratio, DESIGN_RATIO_NOTE if codec != "none" else "raw uint16")
+    width = len(layer_ids) * shape.hidden_size
+    per_token = sizes.raw_bytes_per_token(width)
+    raw_tok = per_token - sizes.IDS_MASK_BYTES_PER_TOKEN
     stored_tok = per_token / ratio
     passes, reuse = cfg.extraction_passes, cfg.store.reuse
     volume = {
         "codec": codec, "ratio": ratio, "ratio_source": ratio_source,
         "raw_bytes_per_token": raw_tok, "stored_bytes_per_token": stored_tok,
-        "ids_mask_bytes_per_token": IDS_MASK_BYTES_PER_TOKEN,
+        "ids_mask_bytes_per_token": sizes.IDS_MASK_BYTES_PER_TOKEN,
         "raw_bytes_per_sample": raw_tok * mean, "stored_bytes_per_sample": stored_tok * mean,
         "full_dump_raw_bytes": per_token * tokens if tokens else None,
         "full_dump_stored_bytes": stored_tok * tokens if tokens else None,
@@ -222,7 +299,9 @@ def build_plan(cfg: Config, samples: int | None = None, mean_tokens: float | Non
     budget = int(cfg.store.budget)
     segment_raw = int(cfg.store.segment_bytes)
     segment_stored = segment_raw / ratio
-    min_budget = 2 * max_segment_raw_bytes(cfg, len(layer_ids), shape.hidden_size)
+    # The one rule `Store.open` applies too: below it, opening the store is refused.
+    largest = sizes.max_segment_raw_bytes(int(cfg.store.segment_bytes), cfg.data.max_length, width)
+    min_budget = sizes.smallest_budget(cfg.store.path, largest, width, codec)
     written = volume["full_dump_stored_bytes"] * passes if tokens else None
     buffer = {
         "budget_bytes": budget, "segment_raw_bytes": segment_raw, "segment_stored_bytes": segment_stored,
@@ -233,13 +312,19 @@ def build_plan(cfg: Config, samples: int | None = None, mean_tokens: float | Non
         "min_budget_bytes": min_budget,
     }
     if budget < min_budget:
-        warnings.append(f"store.budget {fmt_bytes(budget)} is under two worst-case segments "
-                        f"({fmt_bytes(min_budget)}): a writer and a reader cannot both hold one")
+        warnings.append(f"store.budget {fmt_bytes(budget)} is under the smallest workable budget "
+                        f"({fmt_bytes(min_budget)}, one worst-case segment): opening the store will be refused")
     elif budget < 4 * segment_stored:
         warnings.append(f"store.budget holds only {buffer['segments_in_budget']} segments: the trainer will "
                         "often wait for the extractor; lower store.segment_bytes or raise the budget")
 
     disk = disk_space(cfg, budget)
+    disk.update(footprint_for(cfg, len(layer_ids), shape.hidden_size, shape.config, n_samples, mean, tune,
+                              shape.intermediate_size, ratio))
+    if not disk["fits"]:
+        from dflash_stream.observe.disk import refusal
+
+        warnings.append(f"{refusal(cfg, disk)}; `run` refuses to start")
     if disk["headroom_bytes"] < 0:
         warnings.append(f"store.budget {fmt_bytes(budget)} exceeds the free space at {disk['checked']} "
                         f"({fmt_bytes(disk['free_bytes'])})")
@@ -250,55 +335,182 @@ def build_plan(cfg: Config, samples: int | None = None, mean_tokens: float | Non
         disk["offline_note"] = (f"an offline pipeline would need {fmt_bytes(volume['full_dump_raw_bytes'])}; "
                                 f"{fmt_bytes(disk['free_bytes'])} is free")
 
-    time_plan = _time_plan(cfg, shape, layer_ids, mean, tokens, processes, tune)
+    work = role_work(cfg, shape, layer_ids, mean, tune)
+    roles = split_plan(cfg, launch["num_processes"], work, n_samples)
+    if roles.get("better"):
+        warnings.append(roles["better"])
+    time_plan = _time_plan(cfg, shape, layer_ids, work, roles, n_samples, tokens, launch["num_processes"], tune)
+    memory = memory_plan(cfg, shape, layer_ids, device_kind(cfg), gpu_memory, launch["processes_per_machine"],
+                         single=roles["mode"] == "single")
+    warnings += [f"the {role} does not fit its device ({fmt_bytes(memory[role]['total_bytes'])} of "
+                 f"{fmt_bytes(memory['usable_bytes'])} usable): {memory[role]['knob']}"
+                 for role in ("extractor", "trainer") if not memory[role]["fits"]]
     return {
         "target": {"model": cfg.target.model, "source": shape.source, "num_layers": shape.num_layers,
                    "hidden_size": shape.hidden_size, "layer_ids": layer_ids,
                    "layer_ids_source": "target.layer_ids" if cfg.target.layer_ids else "DFlash rule"},
+        "launch": launch,
         "data": {"samples": n_samples, "samples_source": samples_source, "mean_tokens": mean,
                  "mean_tokens_source": mean_source, "tokens": tokens},
         "phases": [{"name": n, "produces": p} for n, p in PHASES],
-        "volume": volume, "buffer": buffer, "disk": disk, "time": time_plan,
+        "volume": volume, "buffer": buffer, "disk": disk, "time": time_plan, "roles": roles, "memory": memory,
         "epochs": _epoch_costs(cfg, time_plan, volume, tokens),
+        "store_cores": store_cores(codec, width, time_plan, tune),
         "warnings": warnings,
     }
 
 
-def _time_plan(cfg: Config, shape: TargetShape, layer_ids: list[int], mean: float, tokens: float | None,
-               processes: int, tune: dict | None) -> dict[str, Any]:
-    extractors, trainers = cfg.roles.split(processes)
-    overlapped = extractors > 0
-    extractors, trainers = max(extractors, 1), max(trainers, 1)
+def regeneration_estimate(cfg: Config, dims: TargetDims, mean: float, kind: str) -> dict[str, Any]:
+    """Seconds per sample to regenerate its response on one process. Decoding is memory-bandwidth bound: each
+    step reads all the weights and the batch's KV cache once, and yields one token per row of the batch."""
+    from dflash_stream.observe.memory import target_dtype_bytes
+
+    gen = cfg.data.generation
+    prompt = mean * PROMPT_SHARE
+    steps = max(1.0, min(gen.max_new_tokens, cfg.data.max_length - prompt))
+    dtype_bytes = target_dtype_bytes(cfg, kind)
+    weights = dims.num_parameters * dtype_bytes
+    kv_read = gen.batch_size * (prompt + steps / 2) * dims.kv_bytes_per_token(dtype_bytes)
+    bandwidth, flops = ASSUMED_BANDWIDTH[kind], ASSUMED_FLOPS[kind]
+    step = max((weights + kv_read) / bandwidth, 2 * dims.num_parameters * gen.batch_size / flops)
+    prefill = prompt * 2 * dims.num_parameters / flops  # compute bound, like extraction
+    return {
+        "seconds_per_sample": steps * step / gen.batch_size + prefill,
+        "step_seconds": step, "decode_steps_per_batch": steps, "batch_size": gen.batch_size,
+        "prompt_tokens": prompt, "response_tokens": mean - prompt,
+        "weight_bytes": weights, "kv_bytes_read_per_step": kv_read, "bandwidth_bytes_per_s": bandwidth,
+        "assumptions": [
+            f"prompt/response split {PROMPT_SHARE:.0%}/{1 - PROMPT_SHARE:.0%} of the {mean:,.0f} tokens per sample "
+            f"(prompt {prompt:,.0f}, response {mean - prompt:,.0f})",
+            f"a batch of {gen.batch_size} decodes {steps:,.0f} steps (until its longest response: assumed to run "
+            "to data.generation.max_new_tokens or max_length)",
+            f"each step reads the weights ({fmt_bytes(weights)}) and the batch's mean KV cache "
+            f"({fmt_bytes(kv_read)}) at an assumed {bandwidth / 1e12:g} TB/s effective per {kind.upper()} process",
+            f"prefill compute bound at {flops / 1e12:g} TFLOP/s effective",
+        ],
+    }
+
+
+def role_work(cfg: Config, shape: TargetShape, layer_ids: list[int], mean: float, tune: dict | None
+              ) -> dict[str, Any]:
+    """Per-process rates of each role and the seconds of work one sample costs each role on one process."""
     est = estimated_rates(cfg, shape, layer_ids, mean)
     tune_note = f"measured by tune ({tune.get('device', '?')})" if tune else ""
     ext_rate, ext_src = _rate(cfg.extract.tokens_per_s, (tune or {}).get("extract_tok_s"),
                               est["extract_tok_s"], tune_note, est["note"])
     train_rate, train_src = _rate(cfg.train.tokens_per_s, (tune or {}).get("train_tok_s"),
                                   est["train_tok_s"], tune_note, est["note"])
-    data_note = ("not estimated: regeneration decodes up to data.generation.max_new_tokens per sample with the "
-                 "target, typically longer than extraction itself" if cfg.data.regenerate
-                 else "tokenization only: seconds to minutes, before each extractor starts")
+    regen = regeneration_estimate(cfg, target_dims(shape), mean, device_kind(cfg)) if cfg.data.regenerate else None
+    return {
+        "extract_tok_s": ext_rate, "extract_source": ext_src, "train_tok_s": train_rate, "train_source": train_src,
+        "regenerate": regen,
+        # One sample's work per role on one process: regeneration happens once (responses are cached), the
+        # forward once per extraction pass, the drafter step once per epoch.
+        "extractor_seconds_per_sample": (regen["seconds_per_sample"] if regen else 0.0)
+        + mean * cfg.extraction_passes / ext_rate,
+        "trainer_seconds_per_sample": mean * cfg.train.epochs / train_rate,
+    }
+
+
+def split_alternatives(processes: int, extract_seconds: float, train_seconds: float) -> list[dict[str, Any]]:
+    """Wall time of every split of `processes`. `extract_seconds` and `train_seconds` are the whole run's work
+    of each role on one process (regeneration included); a role's processes share it evenly (data shards for
+    extractors, data parallelism for trainers), and the slower role sets the pace."""
+    return [
+        {"extractors": processes - t, "trainers": t,
+         "wall_seconds": max(extract_seconds / (processes - t), train_seconds / t)}
+        for t in range(1, processes)
+    ]
+
+
+def best_split(alternatives: list[dict[str, Any]]) -> dict[str, Any]:
+    """The fastest split; on a tie the one with fewer trainers (fewer ranks in the trainers' collectives)."""
+    return min(alternatives, key=lambda a: (round(a["wall_seconds"], 6), a["trainers"]))
+
+
+def split_plan(cfg: Config, processes: int, work: dict[str, Any], samples: int | None) -> dict[str, Any]:
+    """The roles of a launch of `processes`: the chosen split, and the wall time of every split."""
+    scale = samples or 1  # the best split depends only on the ratio of the roles' work
+    ext, train = work["extractor_seconds_per_sample"] * scale, work["trainer_seconds_per_sample"] * scale
+    source = f"extract {work['extract_source']}; train {work['train_source']}"
+    if processes == 1 or cfg.roles.mode == "single":
+        return {"mode": "single", "extractors": 1, "trainers": 1, "chosen_by": "one process alternates",
+                "wall_seconds": ext + train if samples else None, "alternatives": [], "source": source}
+    alternatives = split_alternatives(processes, ext, train)
+    best = best_split(alternatives)
+    configured = cfg.roles.trainers
+    chosen = best if configured == "auto" else next((a for a in alternatives if a["trainers"] == configured), None)
+    if chosen is None:
+        raise ConfigError(f"roles.trainers={configured} leaves no extractor in a launch of {processes} process(es); "
+                          f"allowed: 1..{processes - 1} or auto")
+    out = {"mode": "split", "extractors": chosen["extractors"], "trainers": chosen["trainers"],
+           "chosen_by": "roles.trainers: auto (shortest wall time)" if configured == "auto" else "roles.trainers",
+           "wall_seconds": chosen["wall_seconds"] if samples else None,
+           "alternatives": [{**a, "wall_seconds": a["wall_seconds"] if samples else None} for a in alternatives],
+           "best_trainers": best["trainers"], "source": source}
+    out["alternatives_relative"] = [a["wall_seconds"] / best["wall_seconds"] for a in alternatives]
+    if chosen is not best and chosen["wall_seconds"] > best["wall_seconds"] * 1.05:
+        out["better"] = (f"roles.trainers={configured} takes {_fmt_relative(chosen, best, samples)}; "
+                         f"{best['trainers']} trainer(s) would be faster (set roles.trainers: auto)")
+    return out
+
+
+def _fmt_relative(chosen: dict, best: dict, samples: int | None) -> str:
+    if samples:
+        return f"{fmt_duration(chosen['wall_seconds'])} against {fmt_duration(best['wall_seconds'])}"
+    return f"{chosen['wall_seconds'] / best['wall_seconds']:.1f}x as long"
+
+
+def plan_roles(cfg: Config, processes: int, allow_download: bool = False) -> dict[str, Any]:
+    """The split `plan` would choose for a launch of `processes` (what `run` uses for roles.trainers: auto)."""
+    from dflash_stream.target_model import resolve_layer_ids
+
+    shape = target_shape(cfg, allow_download=allow_download)
+    layer_ids = resolve_layer_ids(shape.num_layers, cfg.target)
+    tune, _ = read_tune(cfg, shape, layer_ids)
+    mean, _ = _mean_tokens(cfg, None, tune)
+    return split_plan(cfg, processes, role_work(cfg, shape, layer_ids, mean, tune), None)
+
+
+def _time_plan(cfg: Config, shape: TargetShape, layer_ids: list[int], work: dict[str, Any], roles: dict[str, Any],
+               samples: int | None, tokens: float | None, processes: int, tune: dict | None) -> dict[str, Any]:
+    from dflash_stream.store import codecs
+
+    overlapped = roles["mode"] == "split"
+    extractors, trainers = roles["extractors"], roles["trainers"]
+    regen = work["regenerate"]
+    data_note = "tokenization only: seconds to minutes, before each extractor starts"
+    if regen:
+        data_note = ("regeneration on the extractors before they extract: bandwidth-bound decoding, "
+                     + "; ".join(regen["assumptions"]))
     phases: dict[str, Any] = {
         "data": {"source": data_note},
-        "extract": {"tok_s_per_process": ext_rate, "processes": extractors, "source": ext_src},
-        "train": {"tok_s_per_process": train_rate, "processes": trainers, "source": train_src},
-        "store": {"encode_bytes_per_s": ENCODE_BYTES_PER_S,
-                  "source": "`bench store` (lossless encode, one core); runs beside the forward"},
+        "extract": {"tok_s_per_process": work["extract_tok_s"], "processes": extractors,
+                    "source": work["extract_source"]},
+        "train": {"tok_s_per_process": work["train_tok_s"], "processes": trainers, "source": work["train_source"]},
+        "store": {"encode_bytes_per_s": codecs.get(cfg.store.codec).design_encode_bytes_per_core_s,
+                  "source": "`bench store` (encode, one core); runs beside the forward"},
         "export": {"source": "seconds: the drafter's weights and config.json, once at the end"},
     }
     written = (tune or {}).get("write_bytes_per_s", {}).get(cfg.store.codec)
     if written:
-        phases["store"].update(encode_bytes_per_s=written, source=f"{tune_note}, encode + write; beside the forward")
+        phases["store"].update(encode_bytes_per_s=written,
+                               source=f"measured by tune ({tune.get('device', '?')}), encode + write; beside the forward")
+    out = {"processes": processes, "overlapped": overlapped, "phases": phases, "regenerate": regen,
+           "regenerate_seconds": None, "total_seconds": None}
     if not tokens:
-        return {"processes": processes, "overlapped": overlapped, "phases": phases, "total_seconds": None}
-    phases["extract"]["seconds"] = tokens * cfg.extraction_passes / (ext_rate * extractors)
-    phases["train"]["seconds"] = tokens * cfg.train.epochs / (train_rate * trainers)
+        return out
+    regen_s = samples * regen["seconds_per_sample"] / extractors if regen else 0.0
+    if regen:
+        phases["data"]["seconds"] = out["regenerate_seconds"] = regen_s
+    phases["extract"]["seconds"] = tokens * cfg.extraction_passes / (work["extract_tok_s"] * extractors)
+    phases["train"]["seconds"] = tokens * cfg.train.epochs / (work["train_tok_s"] * trainers)
     raw = tokens * cfg.extraction_passes * shape.hidden_size * len(layer_ids) * 2
     phases["store"]["encode_cpu_seconds"] = raw / phases["store"]["encode_bytes_per_s"]
-    ext_s, train_s = phases["extract"]["seconds"], phases["train"]["seconds"]
+    ext_s, train_s = regen_s + phases["extract"]["seconds"], phases["train"]["seconds"]
     # Split roles stream: the slower side sets the pace. One process alternates, so the phases add up.
-    total = max(ext_s, train_s) if overlapped else ext_s + train_s
-    return {"processes": processes, "overlapped": overlapped, "phases": phases, "total_seconds": total}
+    out["total_seconds"] = max(ext_s, train_s) if overlapped else ext_s + train_s
+    return out
 
 
 def _epoch_costs(cfg: Config, time_plan: dict, volume: dict, tokens: float | None) -> dict[str, Any]:
@@ -320,6 +532,8 @@ def _epoch_costs(cfg: Config, time_plan: dict, volume: dict, tokens: float | Non
 
 def render_plan(plan: dict[str, Any]) -> str:
     """The plan as a terminal page."""
+    from dflash_stream.observe.store_cores import render_store_cores
+
     t, d, v, b, disk, tp = (plan[k] for k in ("target", "data", "volume", "buffer", "disk", "time"))
     out = [
         f"target  {t['model']}: {t['num_layers']} layers, hidden {t['hidden_size']}  [{t['source']}]",
@@ -350,9 +564,20 @@ def render_plan(plan: dict[str, Any]) -> str:
     ]
     if "offline_note" in disk:
         out.append(f"  {disk['offline_note']}")
+    out += render_disk(disk)
+    out += ["", *render_memory(plan["memory"])]
+    out += ["", *_render_roles(plan["launch"], plan["roles"])]
     mode = "extractors and trainers side by side" if tp["overlapped"] else "one process alternates"
     out += ["", f"time  ({tp['processes']} process(es), {mode})"]
-    out.append(f"  {'data':<8}{'-':>10}  {tp['phases']['data']['source']}")
+    data = tp["phases"]["data"]
+    if tp["regenerate"]:
+        r = tp["regenerate"]
+        out.append(f"  {'data':<8}{fmt_duration(data.get('seconds')):>10}  regeneration on the extractors, "
+                   f"{r['seconds_per_sample']:.3g} s per sample on one process ({r['step_seconds'] * 1e3:.1f} ms per "
+                   f"decode step of {r['batch_size']} rows)")
+        out += [f"  {'':<18}assumed: {a}" for a in r["assumptions"]]
+    else:
+        out.append(f"  {'data':<8}{'-':>10}  {data['source']}")
     for name in ("extract", "train"):
         ph = tp["phases"][name]
         out.append(f"  {name:<8}{fmt_duration(ph.get('seconds')):>10}  {ph['tok_s_per_process']:>12,.0f} tok/s x "
@@ -368,8 +593,39 @@ def render_plan(plan: dict[str, Any]) -> str:
         c = e[name]
         out.append(f"  {name:<10} extraction {fmt_duration(c['extract_seconds'])}, writes "
                    f"{fmt_bytes(c['bytes_written'])}: {c['note']}")
+    out += render_store_cores(plan["store_cores"])
     out += [f"\nwarning: {w}" for w in plan["warnings"]]
     return "\n".join(out)
+
+
+def render_disk(disk: dict[str, Any]) -> list[str]:
+    """The whole footprint, part by part, and each filesystem's need against its free space."""
+    params = disk["drafter_params"]
+    size = f"{params / 1e9:.2f} B" if params >= 1e9 else f"{params / 1e6:.1f} M"
+    out = ["", f"disk  (the whole run: {fmt_bytes(disk['total_bytes'])}; drafter {size} parameters "
+           f"[{disk['drafter_params_source']}])"]
+    out += [f"  {name:<12}{fmt_bytes(size):>12}" for name, size in disk["parts"].items()]
+    for mount, fs in disk["by_filesystem"].items():
+        verdict = "fits" if fs["fits"] else "DOES NOT FIT"
+        own = f" + {fmt_bytes(fs['existing_bytes'])} of this run's files" if fs["existing_bytes"] else ""
+        out.append(f"  {mount}: needs {fmt_bytes(fs['need_bytes'])} ({', '.join(fs['parts'])}), "
+                   f"{fmt_bytes(fs['free_bytes'])} free{own}: {verdict}")
+    return out
+
+
+def _render_roles(launch: dict[str, Any], roles: dict[str, Any]) -> list[str]:
+    out = [f"roles  ({launch['num_processes']} process(es) on {launch['num_machines']} machine(s) "
+           f"[{launch['source']}]; {roles['chosen_by']})"]
+    if roles["mode"] == "single":
+        return out + ["  one process extracts until the buffer is full, trains on it, and repeats"]
+    out.append(f"  {'':<4}{'extractors':>10}{'trainers':>10}{'wall':>12}")
+    for alt, relative in zip(roles["alternatives"], roles["alternatives_relative"], strict=True):
+        mark = "->" if alt["trainers"] == roles["trainers"] else ""
+        wall = fmt_duration(alt["wall_seconds"]) if alt["wall_seconds"] is not None else f"{relative:.2f}x best"
+        best = "  (shortest)" if alt["trainers"] == roles["best_trainers"] else ""
+        out.append(f"  {mark:<4}{alt['extractors']:>10}{alt['trainers']:>10}{wall:>12}{best}")
+    out.append(f"  rates: {roles['source']}")
+    return out
 
 
 def _fmt_wraps(wraps: float | None) -> str:

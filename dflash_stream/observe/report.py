@@ -41,6 +41,32 @@ def _by_rank(events: Events, name: str) -> dict[tuple[str, int], Events]:
     return dict(sorted(out.items()))
 
 
+def _finite(values) -> np.ndarray:
+    arr = np.asarray([np.nan if v is None else v for v in values], dtype=float)
+    return arr[np.isfinite(arr)]
+
+
+def _scale_to_data(ax, values, floor: float | None = 0.0, cap: float | None = None, head_room: float = 1.15) -> None:
+    """Y limits from the data drawn (not matplotlib's padding, nor a fixed 0..1): from `floor` (None: the
+    data's own minimum) to a little above the largest value (never above `cap`)."""
+    data = _finite(values)
+    if not len(data):
+        return
+    high = float(data.max())
+    low = float(data.min()) if floor is None else floor
+    span = high - low
+    top = high + span * (head_room - 1) if span > 0 else (high * head_room if high > 0 else 1.0)
+    bottom = low - span * 0.05 if floor is None and span > 0 else low
+    ax.set_ylim(bottom, min(top, cap) if cap is not None else top)
+
+
+def _legend(ax, **kwargs) -> None:
+    """A legend only for the series actually drawn (those with a label and finite data)."""
+    handles = [h for h in ax.get_lines() if not h.get_label().startswith("_") and len(_finite(h.get_ydata()))]
+    if handles:
+        ax.legend(handles=handles, **kwargs)
+
+
 def plot_buffer(events: Events, t0: float) -> Figure | None:
     """Bytes on disk (published + reserved) against the budget."""
     store = [e for e in events if e["event"] == "store"]
@@ -57,8 +83,9 @@ def plot_buffer(events: Events, t0: float) -> Figure | None:
     ax.fill_between(t, used, reserved, step="post", color="tab:orange", alpha=0.35, label="reserved by writers")
     ax.fill_between(t, 0, used, step="post", color="tab:blue", alpha=0.15)
     ax.plot(t, [e["budget_bytes"] / scale for e in store], color="tab:red", ls="--", lw=1.5, label="budget")
-    ax.set(title="Ring buffer occupancy", xlabel=unit, ylabel=f"{size_unit} on disk", ylim=(0, None))
-    ax.legend(loc="lower right")
+    ax.set(title="Ring buffer occupancy", xlabel=unit, ylabel=f"{size_unit} on disk")
+    _scale_to_data(ax, reserved + [e["budget_bytes"] / scale for e in store], head_room=1.1)
+    _legend(ax, loc="lower right")
     ax.grid(alpha=0.3)
     return fig
 
@@ -101,20 +128,24 @@ def plot_rates(events: Events, t0: float) -> Figure | None:
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 7), sharex=True, layout="constrained")
     series = [(extract, "backpressure_s", "tab:green", "blocked on full buffer"),
               (train, "data_wait_s", "tab:purple", "waited for data")]
+    drawn: dict[Any, list[float]] = {top: [], bottom: []}
     for groups, blocked_key, color, blocked_label in series:
         for i, ((role, rank), evs) in enumerate(groups.items()):
             t = [(e["time"] - t0) / div for e in evs]
             style = dict(color=color, alpha=1.0 if i == 0 else 0.6, ls="-" if i == 0 else ":")
-            top.plot((centers - t0) / div, binned_rates(evs, starts.get((role, rank)), edges),
-                     label=f"{role} {rank} tok/s", drawstyle="steps-mid", **style)
-            bottom.plot(t, [(e.get(blocked_key) or 0) / div for e in evs],
-                        label=f"{role} {rank}: {blocked_label}", **style)
+            rates = binned_rates(evs, starts.get((role, rank)), edges)
+            if (_finite(rates) > 0).any():  # a rank with a single report has no rate to draw
+                top.plot((centers - t0) / div, rates, label=f"{role} {rank} tok/s", drawstyle="steps-mid", **style)
+                drawn[top] += list(rates)
+            blocked = [(e.get(blocked_key) or 0) / div for e in evs]
+            bottom.plot(t, blocked, label=f"{role} {rank}: {blocked_label}", **style)
+            drawn[bottom] += blocked
     top.set(title="Producer (extract) and consumer (train) throughput", ylabel="tokens / s")
     bottom.set(title="Time blocked (cumulative)", xlabel=unit, ylabel=unit.split()[0])
     for ax in (top, bottom):
         # Headroom above the curves keeps the one-row legend off the data.
-        ax.set_ylim(0, max(ax.get_ylim()[1], 1e-9) * 1.3)
-        ax.legend(loc="upper left", fontsize="small", ncol=3)
+        _scale_to_data(ax, drawn[ax], head_room=1.3)
+        _legend(ax, loc="upper left", fontsize="small", ncol=3)
         ax.grid(alpha=0.3)
     return fig
 
@@ -131,11 +162,23 @@ def plot_loss(events: Events) -> Figure | None:
     if not train:
         return None
     steps = [e["step"] for e in train]
+    loss = [e["loss"] for e in train]
+    tau = [e.get("tau") for e in train]
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 7), sharex=True, layout="constrained")
-    top.plot(steps, [e["loss"] for e in train], color="tab:blue", lw=1.5)
+    top.plot(steps, loss, color="tab:blue", lw=1.5)
     top.set(title="Training loss", ylabel="weighted CE")
-    bottom.plot(steps, [e.get("tau") for e in train], color="tab:green", lw=1.5)
+    # The first points (an untrained drafter) sit far above the rest: scale to the curve after them, and
+    # say where they are.
+    skip = max(1, len(loss) // 20) if len(loss) >= 5 else 0
+    _scale_to_data(top, loss[skip:], floor=None, head_room=1.1)
+    above = [(s, v) for s, v in zip(steps, loss, strict=True) if v > top.get_ylim()[1]]
+    if above:
+        top.annotate(f"off the axis: step {above[0][0]} loss {above[0][1]:.2f}" + (
+            f" (+{len(above) - 1} more)" if len(above) > 1 else ""), xy=(0.99, 0.97), xycoords="axes fraction",
+            ha="right", va="top", fontsize="small", color="tab:blue")
+    bottom.plot(steps, tau, color="tab:green", lw=1.5)
     bottom.set(title="Acceptance length estimate tau", xlabel="step", ylabel="tokens per verification")
+    _scale_to_data(bottom, tau, floor=None, head_room=1.1)
     for ax in (top, bottom):
         ax.grid(alpha=0.3)
     return fig
@@ -154,8 +197,9 @@ def plot_accuracy(events: Events) -> Figure | None:
         ax.plot(steps, [e["acc"][k] if k < len(e["acc"]) else None for e in train],
                 color=cmap(k / max(slots - 1, 1)), lw=1.4, label=f"slot {k + 1}")
     ax.set(title="Per-slot accuracy (slot k predicts the token k after the anchor)", xlabel="step",
-           ylabel="accuracy", ylim=(0, 1))
-    ax.legend(ncol=min(slots, 5), fontsize="small", loc="upper left")
+           ylabel="accuracy")
+    _scale_to_data(ax, [a for e in train for a in e["acc"]], cap=1.0, head_room=1.35)  # room for the legend
+    _legend(ax, ncol=min(slots, 5), fontsize="small", loc="upper left")
     ax.grid(alpha=0.3)
     return fig
 

@@ -17,6 +17,7 @@ from typing import Any
 import yaml
 
 from dflash_stream.observe.metrics import read_metrics
+from dflash_stream.observe.summary import summary_table
 from dflash_stream.observe.units import fmt_bytes, fmt_count, fmt_duration
 from dflash_stream.rundir import RunDir, checkpoint_step
 
@@ -97,7 +98,8 @@ def _sample_rate(events: list[dict[str, Any]], key: tuple[str, int], since: floa
     return mine[-1]["samples"] / max(mine[-1]["time"] - since, 1e-9) if mine else 0.0
 
 
-def _extraction(events: list[dict[str, Any]], running: bool) -> dict[str, Any] | None:
+def _extraction(events: list[dict[str, Any]], running: bool, summary: dict[str, Any] | None
+                ) -> dict[str, Any] | None:
     last = _latest(events, "extract")
     if not last:
         return None
@@ -114,7 +116,10 @@ def _extraction(events: list[dict[str, Any]], running: bool) -> dict[str, Any] |
         "tok_s": sum(e.get("tok_s") or 0 for e in last.values()),
         "samples_per_s": rate,
         "eta_s": remaining / rate if running and remaining is not None and rate > 0 else None,
-        "backpressure_s": sum(e.get("backpressure_s") or 0 for e in last.values()),
+        # Time writes waited for room in the full buffer, of the longest-blocked extractor (as summary.json).
+        "backpressure_s": summary["extractor_backpressure_seconds"] if summary and
+        "extractor_backpressure_seconds" in summary else max(e.get("backpressure_s") or 0 for e in last.values()),
+        "stall_s": max(e.get("stall_s") or 0 for e in last.values()),
     }
 
 
@@ -155,13 +160,27 @@ def _buffer(out: Path, events: list[dict[str, Any]], now: float) -> dict[str, An
     return b
 
 
-def _training(events: list[dict[str, Any]]) -> dict[str, Any] | None:
+def _step_rate(events: list[dict[str, Any]], key: tuple[str, int], since: float) -> float:
+    """Steps/s of one trainer since its process started (a resumed rank starts above step 0)."""
+    mine = [e for e in events if e["event"] == "train" and (e["role"], e["rank"]) == key and e["time"] >= since]
+    if len(mine) < 2:
+        return 0.0
+    return (mine[-1]["step"] - mine[0]["step"]) / max(mine[-1]["time"] - mine[0]["time"], 1e-9)
+
+
+def _training(events: list[dict[str, Any]], running: bool) -> dict[str, Any] | None:
     last = _latest(events, "train")
     if not last:
         return None
-    lead = min(last.values(), key=lambda e: e["rank"])  # the reduced loss and accuracies are on every rank
+    key, lead = min(last.items(), key=lambda kv: kv[1]["rank"])  # reduced loss and accuracies: on every rank
     acc = lead.get("acc") or []
+    done = _latest(events, "train_done").get(key)  # the trainer finished: its steps are the total
+    total = done["total_steps"] if done else lead.get("total_steps")
+    rate = _step_rate(events, key, _started(events)[key])
+    left = total - lead["step"] if total else None
     return {
+        "total_steps": total, "progress": min(1.0, lead["step"] / total) if total else None,
+        "steps_per_s": rate, "eta_s": left / rate if running and left and rate > 0 else None,
         "ranks": len(last), "step": lead["step"], "epoch": lead.get("epoch"), "loss": lead.get("loss"),
         "tau": lead.get("tau"), "lr": lead.get("lr"), "acc_slot1": acc[0] if acc else None,
         "acc_mean": sum(acc) / len(acc) if acc else None,
@@ -194,9 +213,9 @@ def collect_status(output_dir: str | Path, now: float | None = None) -> dict[str
     return {
         "output": str(out), "state": state, "state_reason": reason, "time": now,
         "ranks": ranks,
-        "extraction": _extraction(events, state == "running"),
+        "extraction": _extraction(events, state == "running", summary),
         "buffer": _buffer(out, events, now),
-        "training": _training(events),
+        "training": _training(events, state == "running"),
         "checkpoints": _checkpoints(out),
         "summary": summary,
     }
@@ -214,8 +233,8 @@ def render_status(s: dict[str, Any]) -> str:
         pct = f" ({x['progress']:.1%})" if x["progress"] is not None else ""
         eta = f", ETA {fmt_duration(x['eta_s'])}" if x["eta_s"] and x["progress"] != 1 else ""
         out.append(f"extract   {fmt_count(x['samples'])} / {fmt_count(x['samples_total'])} samples{pct}{eta}")
-        out.append(f"          {x['tok_s']:,.0f} tok/s over {x['ranks']} rank(s); "
-                   f"blocked on a full buffer {fmt_duration(x['backpressure_s'])}")
+        out.append(f"          {x['tok_s']:,.0f} tok/s over {x['ranks']} rank(s); blocked on a full buffer "
+                   f"{_seconds(x['backpressure_s'])} (forward loop stalled {_seconds(x['stall_s'])})")
     b = s["buffer"]
     if b:
         fill = f"{b['fill']:.0%}" if b["fill"] is not None else "?"
@@ -227,15 +246,22 @@ def render_status(s: dict[str, Any]) -> str:
                    f"{waiting}  [{b['source']}]")
     t = s["training"]
     if t:
-        out.append(f"train     step {t['step']} (epoch {t['epoch']}): loss {_num(t['loss'], '.4f')}, "
+        of = f" / {t['total_steps']:,} ({t['progress']:.1%})" if t["total_steps"] else ""
+        eta = f", ETA {fmt_duration(t['eta_s'])}" if t["eta_s"] else ""
+        out.append(f"train     step {t['step']:,}{of}{eta}, epoch {t['epoch']}: loss {_num(t['loss'], '.4f')}, "
                    f"tau {_num(t['tau'], '.2f')}, acc slot 1 {_num(t['acc_slot1'], '.1%')}, lr {_num(t['lr'], '.2e')}")
         out.append(f"          {t['tok_s']:,.0f} tok/s over {t['ranks']} rank(s); "
                    f"waited for data {fmt_duration(t['data_wait_s'])}")
     c = s["checkpoints"]
     out.append(f"ckpt      {c['count']} complete" + (f", latest {c['latest']}" if c["latest"] else ""))
     if s["summary"] is not None:
-        out.append("summary   " + json.dumps(s["summary"])[:400])
+        out += ["summary", *summary_table(s["summary"], indent="          ")]
     return "\n".join(out)
+
+
+def _seconds(value: float) -> str:
+    """Short waits in seconds with a decimal, long ones as a duration."""
+    return f"{value:.1f}s" if value < 60 else fmt_duration(value)
 
 
 def _num(value: float | None, spec: str) -> str:

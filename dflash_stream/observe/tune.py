@@ -12,15 +12,14 @@ import json
 import math
 import tempfile
 import time
-import typing
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
-from dflash_stream.config import Config, ConfigError, StoreConfig
-from dflash_stream.observe.plan import IDS_MASK_BYTES_PER_TOKEN, disk_space
+from dflash_stream.config import Config, ConfigError
+from dflash_stream.observe.plan import disk_space
 from dflash_stream.observe.units import fmt_bytes, fmt_duration
 
 if TYPE_CHECKING:
@@ -85,20 +84,22 @@ def _compression(samples: list[PreparedSample], states: list[torch.Tensor], laye
                  hidden_size: int) -> dict[str, dict[str, float]]:
     """Each codec's on-disk ratio against raw bf16 and its write speed: one real segment per codec, written
     through the store's own writer into a scratch store."""
-    from dflash_stream.store import Sample, Store
+    from dflash_stream.store import Sample, Store, codecs, sizes
 
     segment = [Sample(s.sample_id, s.input_ids, s.loss_mask, h) for s, h in zip(samples, states, strict=True)]
-    raw = sum(h.numel() * 2 + h.shape[0] * IDS_MASK_BYTES_PER_TOKEN for h in states)
+    raw = sizes.raw_bytes(sum(h.shape[0] for h in states), len(states), states[0].shape[1])
     out = {}
-    for codec in typing.get_args(StoreConfig.model_fields["codec"].annotation):
+    for codec in codecs.names():
         with tempfile.TemporaryDirectory() as tmp:
             store = Store.open(Path(tmp) / "store", budget=4 * raw + 64 * MIB, codec=codec, reuse=1,
                                fingerprint={"layer_ids": layer_ids, "hidden_size": hidden_size},
                                max_segment_raw_bytes=raw)
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
             info = store.writer("tune").write(segment)
-            elapsed = time.perf_counter() - start
-        out[codec] = {"ratio": info.raw_bytes / info.bytes, "write_bytes_per_s": info.raw_bytes / elapsed}
+            elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
+        # Per core: raw bytes per CPU-second of all the writer's threads (what `plan` sizes the store's cores by).
+        out[codec] = {"ratio": info.raw_bytes / info.bytes, "write_bytes_per_s": info.raw_bytes / elapsed,
+                      "encode_bytes_per_core_s": info.raw_bytes / max(cpu, 1e-9)}
     return out
 
 
@@ -107,6 +108,7 @@ def _train(cfg: Config, model, tokenizer, layer_ids: list[int], samples: list[Pr
     """Training tokens/s of the real drafter on these samples (after one warm-up step)."""
     from dflash_stream.drafter import DFlashDrafter, TargetHead, build_spec, dflash_loss
     from dflash_stream.drafter.batches import TokenBatcher, collate
+    from dflash_stream.drafter.shapes import ShapePlan, fixed_shapes_on
     from dflash_stream.store.segment import StoredSample
     from dflash_stream.target_model import text_config
 
@@ -117,15 +119,19 @@ def _train(cfg: Config, model, tokenizer, layer_ids: list[int], samples: list[Pr
     autocast = cfg.train.bf16_autocast(device.type)
     stored = [StoredSample(s.sample_id, torch.from_numpy(s.input_ids.astype(np.int64)),
                            torch.from_numpy(s.loss_mask), h) for s, h in zip(samples, states, strict=True)]
-    batcher = TokenBatcher(cfg.train.batch_tokens)
+    batcher = TokenBatcher(ShapePlan.from_config(cfg))
     timed_tokens, timed_s = 0, 0.0
     for step in range(steps + 1):
         if not len(batcher):
             batcher.add("tune", stored)
-        batch = collate(batcher.next_batch(), device)
+        members = batcher.next_batch()
+        shape = batcher.shape(members) if fixed_shapes_on(cfg, drafter.uses_flex(device)) else None
+        batch = collate(members, device, shape)
         start = time.perf_counter()
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
-            out = dflash_loss(drafter, head, batch, num_anchors=cfg.train.num_anchors, gamma=cfg.train.gamma)
+            out = dflash_loss(drafter, head, batch, num_anchors=cfg.train.num_anchors, gamma=cfg.train.gamma,
+                              num_blocks=shape.blocks if shape else None,
+                              chunk_rows=cfg.train.loss_chunk_rows)
         out.loss.backward()
         torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.train.grad_clip)
         optimizer.step()
@@ -174,6 +180,7 @@ def _device_name(device: torch.device) -> str:
 
 def run_tune(cfg: Config, num_samples: int, train_steps: int) -> dict[str, Any]:
     """Measure, recommend, write OUTPUT/tune.json, print the findings; the measurements."""
+    from dflash_stream.store import sizes
     from dflash_stream.target_model import load_target, resolve_device, resolve_layer_ids, text_config
 
     if num_samples < 1 or train_steps < 1:
@@ -188,11 +195,11 @@ def run_tune(cfg: Config, num_samples: int, train_steps: int) -> dict[str, Any]:
     train_tok_s = _train(cfg, model, tokenizer, layer_ids, samples, states, train_steps, device)
 
     tokens = sum(s.num_tokens for s in samples)
-    raw_tok = len(layer_ids) * tc.hidden_size * 2 + IDS_MASK_BYTES_PER_TOKEN
+    raw_tok = sizes.raw_bytes_per_token(len(layer_ids) * tc.hidden_size)
     stored_tok = raw_tok / compression[cfg.store.codec]["ratio"]
     disk = disk_space(cfg, 0)
     # A segment must hold the longest sample; the configured segment_bytes is what is being tuned.
-    longest = cfg.data.max_length * raw_tok
+    longest = sizes.raw_bytes(cfg.data.max_length, 1, len(layer_ids) * tc.hidden_size)
     advice = recommend(disk["free_bytes"], stored_tok, raw_tok, train_tok_s, extract_tok_s, longest)
     result = {
         "time": time.time(), "target": cfg.target.model, "device": _device_name(device),
@@ -200,6 +207,7 @@ def run_tune(cfg: Config, num_samples: int, train_steps: int) -> dict[str, Any]:
         "mean_tokens": tokens / len(samples),
         "compression": {c: m["ratio"] for c, m in compression.items()},
         "write_bytes_per_s": {c: m["write_bytes_per_s"] for c, m in compression.items()},
+        "encode_bytes_per_core_s": {c: m["encode_bytes_per_core_s"] for c, m in compression.items()},
         "extract_tok_s": extract_tok_s, "train_tok_s": train_tok_s, "train_steps": train_steps,
         "free_bytes": disk["free_bytes"], "disk_checked": disk["checked"], "recommendation": advice,
     }

@@ -42,9 +42,11 @@ def audit_run(output_dir: str | Path) -> dict[str, Any]:
     run = RunDir(output_dir)
     if not run.root.is_dir():
         raise DFlashError(f"no run output at {run.root}")
-    epochs = yaml.safe_load(run.config.read_text())["train"]["epochs"] if run.config.exists() else 1
+    train = yaml.safe_load(run.config.read_text())["train"] if run.config.exists() else {}
+    epochs, max_steps = train.get("epochs", 1), train.get("max_steps")
     expected = _expected_ids(run)
-    per_epoch = _trained_per_epoch(run, checkpoint_step(run.latest_checkpoint()))
+    step = checkpoint_step(run.latest_checkpoint())
+    per_epoch = _trained_per_epoch(run, step)
     passes = []
     for epoch in range(max(epochs, max(per_epoch, default=-1) + 1)):
         counts = per_epoch.get(epoch, Counter())
@@ -59,15 +61,41 @@ def audit_run(output_dir: str | Path) -> dict[str, Any]:
             }
         )
     finished = run.summary.exists()
-    ok = bool(expected) and all(p["missing"] == p["duplicated"] == p["unexpected"] == 0 for p in passes)
-    return {"output": str(run.root), "finished": finished, "passes": passes, "ok": ok}
+    # A run stopped by train.max_steps trained only part of the data on purpose: it must still train nothing
+    # twice and nothing unexpected, but samples it never reached are not missing.
+    stopped = max_steps is not None and step >= max_steps
+    ok = bool(expected) and all(p["duplicated"] == p["unexpected"] == 0 and (stopped or p["missing"] == 0)
+                                for p in passes)
+    config = yaml.safe_load(run.config.read_text()) if run.config.exists() else {}
+    store = config.get("store", {}).get("path")
+    return {"output": str(run.root), "finished": finished, "passes": passes, "ok": ok,
+            "stopped_by": f"train.max_steps={max_steps}" if stopped else None, "step": step,
+            "quarantined": _quarantined(Path(store)) if store else []}
+
+
+def _quarantined(store: Path) -> list[dict[str, Any]]:
+    """Damaged segments the trainers set aside (their samples were extracted and trained again)."""
+    found = []
+    for path in sorted((store / "quarantine").glob("*.json")):
+        record = json.loads(path.read_text())
+        found.append({"segment_id": record["segment_id"], "sample_ids": record["sample_ids"]})
+    return found
 
 
 def format_audit(report: dict[str, Any]) -> str:
     head = f"audit of {report['output']} ({'finished' if report['finished'] else 'not finished'})"
     rows = [f"  epoch {p['epoch']}: expected {p['expected']}, trained {p['trained']}, missing {p['missing']}, "
             f"duplicated {p['duplicated']}, unexpected {p['unexpected']}" for p in report["passes"]]
-    verdict = "OK: every sample trained exactly once per epoch" if report["ok"] else "FAILED"
+    rows += [f"  quarantined segment {q['segment_id']}: {len(q['sample_ids'])} sample(s), extracted and trained again"
+             for q in report.get("quarantined", [])]
+    if report.get("stopped_by"):
+        reached = sum(p["trained"] for p in report["passes"])
+        expected = sum(p["expected"] for p in report["passes"])
+        verdict = (f"{'OK' if report['ok'] else 'FAILED'}: stopped by {report['stopped_by']} at step "
+                   f"{report['step']}, before the end of the data ({reached:,} of {expected:,} sample uses trained); "
+                   + ("none trained twice, none unexpected" if report["ok"] else "some trained twice or unexpected"))
+    else:
+        verdict = "OK: every sample trained exactly once per epoch" if report["ok"] else "FAILED"
     return "\n".join([head, *rows, verdict])
 
 

@@ -16,14 +16,14 @@ from typing import Any
 
 import torch
 
+from dflash_stream.diskfull import retry_when_full
 from dflash_stream.errors import DFlashError
 from dflash_stream.rundir import COMPLETE, RunDir, checkpoint_step, fsync, write_atomic
 
-__all__ = ["COMPLETE", "KEEP", "SHARED_STATE", "begin", "checkpoint_step", "complete_checkpoints", "drop_ledger_after",
-           "latest_checkpoint", "ledger_dir", "load", "load_torch", "publish", "rank_state_file", "save",
+__all__ = ["COMPLETE", "SHARED_STATE", "begin", "checkpoint_step", "complete_checkpoints", "drop_ledger_after",
+           "latest_checkpoint", "ledger_dir", "load", "load_torch", "optimizer_state", "publish", "rank_state_file", "save",
            "save_torch", "write_ledger"]
 
-KEEP = 2
 SHARED_STATE = "trainer_state.pt"
 """Optimizer, scheduler and the step's counters, written by rank 0."""
 
@@ -47,9 +47,39 @@ def ledger_dir(output_dir: str | Path, index: int) -> Path:
 
 
 def save_torch(obj: Any, path: Path) -> None:
-    """torch.save then fsync: only plain containers and tensors, so `torch.load(weights_only=True)` reads it."""
-    torch.save(obj, path)
-    fsync(path)
+    """torch.save then fsync: only plain containers and tensors, so `torch.load(weights_only=True)` reads it.
+    A full disk is waited out (see diskfull.py): the file is rewritten whole."""
+
+    def write() -> None:
+        with open(path, "wb") as f:
+            out = _Recorder(f)
+            try:
+                torch.save(obj, out)
+            except RuntimeError:
+                if out.error is not None:  # torch reports a full disk as a RuntimeError; say what it was
+                    raise out.error from None
+                raise
+            f.flush()
+            os.fsync(f.fileno())
+
+    retry_when_full(f"checkpoint file {path}", path.parent, write)
+
+
+class _Recorder:
+    """The file torch.save writes through, keeping the OSError that torch's writer turns into a RuntimeError."""
+
+    def __init__(self, file) -> None:
+        self.file, self.error = file, None
+
+    def write(self, data) -> int:
+        try:
+            return self.file.write(data)
+        except OSError as err:
+            self.error = err
+            raise
+
+    def flush(self) -> None:
+        self.file.flush()
 
 
 def load_torch(path: Path) -> Any:
@@ -57,15 +87,34 @@ def load_torch(path: Path) -> Any:
 
 
 def begin(output_dir: str | Path, step: int) -> Path:
-    """A fresh staging folder for checkpoint `step` (leftovers of an interrupted attempt are discarded)."""
-    staging = RunDir(output_dir).staging(step)
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
+    """A fresh staging folder for checkpoint `step`. Leftovers of interrupted attempts (staging folders and
+    folders without COMPLETE, at any step) are discarded first: one checkpoint is written at a time, so at most
+    `train.keep_checkpoints` + 1 exist on disk, as `plan` counts them."""
+    run = RunDir(output_dir)
+    for _, path in run.incomplete_checkpoints():
+        shutil.rmtree(path, ignore_errors=True)
+    staging = run.staging(step)
+    retry_when_full(f"checkpoint folder {staging}", staging.parent, lambda: staging.mkdir(parents=True, exist_ok=True))
     return staging
 
 
-def publish(output_dir: str | Path, step: int) -> Path:
-    """Make the staged checkpoint durable: fsync its files, rename it into place, write COMPLETE last."""
+def optimizer_state(optimizer: torch.optim.Optimizer, dtype: str) -> dict[str, Any]:
+    """The optimizer's state_dict with its floating-point moments in `dtype` (train.optimizer_state_dtype).
+    `load_state_dict` casts them back to the parameters' dtype on resume."""
+    state = optimizer.state_dict()
+    if dtype == "float32":
+        return state
+    target = getattr(torch, dtype)
+    state["state"] = {
+        index: {k: v.to(target) if k != "step" and torch.is_floating_point(v) else v for k, v in per_param.items()}
+        for index, per_param in state["state"].items()
+    }
+    return state
+
+
+def publish(output_dir: str | Path, step: int, keep: int = 2) -> Path:
+    """Make the staged checkpoint durable: fsync its files, rename it into place, write COMPLETE last; then
+    keep the newest `keep` complete checkpoints (train.keep_checkpoints)."""
     run = RunDir(output_dir)
     staging, final = run.staging(step), run.checkpoint(step)
     for item in staging.iterdir():
@@ -75,20 +124,20 @@ def publish(output_dir: str | Path, step: int) -> Path:
     shutil.rmtree(final, ignore_errors=True)
     os.rename(staging, final)
     marker = final / COMPLETE
-    marker.write_text(f"{step}\n")
+    retry_when_full(f"checkpoint marker {marker}", final, lambda: marker.write_text(f"{step}\n"))
     fsync(marker)
     fsync(final)
     fsync(final.parent)
-    _prune(run)
+    _prune(run, keep)
     return final
 
 
-def _prune(run: RunDir) -> None:
-    """Keep the newest KEEP complete checkpoints; drop older ones and abandoned partial folders below them."""
+def _prune(run: RunDir, keep: int) -> None:
+    """Keep the newest `keep` complete checkpoints; drop older ones and abandoned partial folders below them."""
     complete = run.complete_checkpoints()
-    for old in complete[:-KEEP]:
+    for old in complete[:-keep]:
         shutil.rmtree(old)
-    oldest_kept = checkpoint_step(complete[-KEEP]) if len(complete) >= KEEP else 0
+    oldest_kept = checkpoint_step(complete[-keep]) if len(complete) >= keep else 0
     for step, path in run.incomplete_checkpoints():
         if step < oldest_kept:
             shutil.rmtree(path)
@@ -96,7 +145,7 @@ def _prune(run: RunDir) -> None:
 
 def save(output_dir: str | Path, step: int, rank: int, *, rank_state: dict[str, Any],
          ledger: list[dict[str, Any]], write_shared: Callable[[Path], None] | None,
-         barrier: Callable[[], None]) -> Path:
+         barrier: Callable[[], None], keep: int = 2) -> Path:
     """Checkpoint `step`, collective over the trainers (`barrier` syncs them): rank 0 stages the folder,
     every rank writes its ledger and its `trainer-<rank>.pt`, rank 0 also the shared files
     (`write_shared(staging)`), and once all are written rank 0 publishes it. Returns the final folder."""
@@ -110,7 +159,7 @@ def save(output_dir: str | Path, step: int, rank: int, *, rank_state: dict[str, 
         write_shared(staging)
     barrier()
     if rank == 0:
-        publish(output_dir, step)
+        publish(output_dir, step, keep)
     barrier()
     return RunDir(output_dir).checkpoint(step)
 

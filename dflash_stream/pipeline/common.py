@@ -73,9 +73,10 @@ def store_fingerprint(cfg: Config, layer_ids: list[int], hidden_size: int) -> di
 
 def max_segment_raw_bytes(cfg: Config, num_layers_captured: int, hidden_size: int) -> int:
     """A segment is filled to `store.segment_bytes`, but one sample of `max_length` tokens may exceed that."""
-    per_token = num_layers_captured * hidden_size * 2 + 4 + 1  # bf16 states + int32 id + mask byte
-    # + that sample's id and offset and the closing offset, as the store counts a segment's raw bytes
-    return max(int(cfg.store.segment_bytes), cfg.data.max_length * per_token + 24)
+    from dflash_stream.store import sizes
+
+    return sizes.max_segment_raw_bytes(int(cfg.store.segment_bytes), cfg.data.max_length,
+                                       num_layers_captured * hidden_size)
 
 
 def open_store(cfg: Config, layer_ids: list[int], hidden_size: int, create: bool = True):
@@ -90,6 +91,7 @@ def open_store(cfg: Config, layer_ids: list[int], hidden_size: int, create: bool
         fingerprint=store_fingerprint(cfg, layer_ids, hidden_size),
         max_segment_raw_bytes=max_segment_raw_bytes(cfg, len(layer_ids), hidden_size),
         create=create,
+        keep_free=int(cfg.store.keep_free),
     )
 
 

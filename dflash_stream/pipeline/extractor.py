@@ -32,9 +32,10 @@ from dflash_stream.pipeline.common import (
     save_resolved_config,
     store_layout,
 )
+from dflash_stream.pipeline.guard import hold_output, stop_with_launcher
 from dflash_stream.pipeline.roles import RoleInfo, assign_uniform
 from dflash_stream.preflight import check_run_paths
-from dflash_stream.store import Sample, Store, StoreFull
+from dflash_stream.store import Sample, Store, StoreFull, lease, sizes
 from dflash_stream.target_model import load_target, resolve_device, resolve_layer_ids, text_config
 from dflash_stream.target_model.capture import LayerCapture
 from dflash_stream.target_model.host_copy import HostCopier
@@ -70,13 +71,13 @@ _STOP = object()
 class _SegmentSink:
     """The background side: host copies, checks, segment packing and store writes."""
 
-    def __init__(self, writer, segment_bytes: int, bytes_per_token: int, queue_size: int, on_segment) -> None:
-        self.writer, self.segment_bytes, self.bytes_per_token = writer, segment_bytes, bytes_per_token
+    def __init__(self, writer, segment_bytes: int, width: int, queue_size: int, on_segment) -> None:
+        self.writer, self.segment_bytes, self.width = writer, segment_bytes, width
         self.on_segment = on_segment
         self.queue: queue.Queue = queue.Queue(maxsize=queue_size)
         self.pending: list[Sample] = []
         self.pending_pass = 0
-        self.pending_bytes = 0
+        self.pending_tokens = 0
         self.refused: list[tuple[int, list[Sample]]] = []
         """Segments a full buffer turned away (non-blocking mode), written first on the next run."""
         self.non_blocking = False
@@ -149,19 +150,19 @@ class _SegmentSink:
             self._add(item.pass_index, Sample(sample.sample_id, sample.input_ids, sample.loss_mask, states))
 
     def _add(self, pass_index: int, sample: Sample) -> None:
-        # A segment also stores each sample's id and offset (16 bytes) and one closing offset (8).
-        size = len(sample.input_ids) * self.bytes_per_token + 16
-        if self.pending and (pass_index != self.pending_pass or 8 + self.pending_bytes + size > self.segment_bytes):
+        tokens = self.pending_tokens + len(sample.input_ids)
+        full = sizes.raw_bytes(tokens, len(self.pending) + 1, self.width) > self.segment_bytes
+        if self.pending and (pass_index != self.pending_pass or full):
             self._flush()
         self.pending.append(sample)
         self.pending_pass = pass_index
-        self.pending_bytes += size
+        self.pending_tokens += len(sample.input_ids)
 
     def _flush(self) -> None:
         if not self.pending:
             return
         samples, pass_index = self.pending, self.pending_pass
-        self.pending, self.pending_bytes = [], 0
+        self.pending, self.pending_tokens = [], 0
         if self.refused:  # keep segments in order behind the one the buffer refused
             self.refused.append((pass_index, samples))
             return
@@ -187,14 +188,19 @@ class Extractor:
         self.samples, self.report = prepare_shard(cfg, self.tokenizer, role.index, role.count)
         self.cache = ResponseCache(cfg.output_dir, data_spec_digest(cfg), role.index) if cfg.data.regenerate else None
         self._dropped: dict[int, tuple[str, str]] = {}
-        self.bytes_per_token = len(self.layer_ids) * shape.hidden_size * 2 + 5  # bf16 states, int32 id, mask
+        width = len(self.layer_ids) * shape.hidden_size
+        self.bytes_per_token = sizes.raw_bytes_per_token(width)
         self.batch_tokens = cfg.extract.batch_tokens
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.samples_total = len(self.samples) * cfg.extraction_passes
         self.samples_written = self.tokens_written = 0
+        self._samples_held = 0  # already in the store when this process started (a resumed run)
+        self._dropped_uses = 0  # samples whose regenerated response was too short, per pass: not to extract
+        self._regen_bar = None
+        self._generated_tokens, self._generate_seconds = 0, 0.0
         self.backpressure_seconds = self.extract_seconds = 0.0
         self.writer = store.writer(f"extractor-{role.index}")
-        self._sink = _SegmentSink(self.writer, int(cfg.store.segment_bytes), self.bytes_per_token,
+        self._sink = _SegmentSink(self.writer, int(cfg.store.segment_bytes), width,
                                   cfg.extract.queue_size, self._on_segment)
         self._work = self._plan()
         self._bar = None
@@ -207,7 +213,9 @@ class Extractor:
 
     def run(self, until_full: bool = False) -> bool:
         """Extract until this rank's share is in the store (True), or, with `until_full`, until the buffer is
-        full (False; call again once the trainer has freed room)."""
+        full (False; call again once the trainer has freed room). Samples of damaged segments that a trainer
+        quarantined are extracted again first."""
+        self.redo_quarantined()
         if self._done:
             return True
         if self._bar is None:
@@ -224,9 +232,51 @@ class Extractor:
             return False
         self.writer.finish()
         self._finish_report()
+        self._log_progress(self.extract_seconds)  # the final count, also when the last samples dropped out
         self._bar.close()
+        if self._regen_bar is not None:
+            self._regen_bar.close()
         self._done = True
         return True
+
+    def redo_quarantined(self) -> int:
+        """Extract again the samples of this writer's quarantined segments, one replacement segment per part
+        (see `SegmentConsumer.quarantine`); returns the number of parts written."""
+        requests = self.store.redo_requests(self.writer.id)
+        by_id = {s.sample_id: s for s in self.samples}
+        for tag, part in requests:
+            missing = [i for i in part["sample_ids"] if i not in by_id]
+            if missing:
+                raise DFlashError(f"quarantined segment {tag} holds samples {missing[:5]} that this extractor's shard "
+                                  "does not have; rerun with the same data and number of extractors")
+            todo = [by_id[i] for i in part["sample_ids"]]
+            if self.cache is not None:
+                todo = self._respond(todo)  # the cached responses: the same samples as the first time
+            todo.sort(key=lambda s: -s.num_tokens)
+            lengths, start, stored = [s.num_tokens for s in todo], 0, []
+            while start < len(todo):
+                end = take_batch(lengths, start, self.batch_tokens)
+                for batch, states, ready in self._forward(todo[start:end]):
+                    if ready is not None:
+                        ready.synchronize()
+                    stored += [Sample(p.sample_id, p.input_ids, p.loss_mask, states[row, : p.num_tokens].clone())
+                               for row, p in enumerate(batch)]
+                start = end
+            info = self.writer.write(stored, pass_index=part["pass_index"], first_use=part["first_use"], replaces=tag)
+            log.info("extracted the %d sample(s) of quarantined part %s again: segment %s (from use %d)",
+                     len(stored), tag, info.segment_id, part["first_use"])
+        return len(requests)
+
+    def serve_redo(self, training_over) -> None:
+        """After this rank's data: stay to extract again whatever a trainer quarantines, until the store is drained
+        or `training_over()` (a trainer that stops at train.max_steps leaves segments unconsumed)."""
+        said = False
+        while not (self.store.drained() or training_over()):
+            if not said:
+                log.info("all data extracted; staying to extract again any segment a trainer finds damaged")
+                said = True
+            if not self.redo_quarantined():
+                time.sleep(1.0)
 
     def summary(self) -> dict[str, Any]:
         return {
@@ -315,6 +365,7 @@ class Extractor:
                 log.info("pass %d: %d samples already in the store, %d to extract",
                          pass_index, len(self.samples) - len(todo), len(todo))
                 self._advance(len(self.samples) - len(todo))
+                self._samples_held += len(self.samples) - len(todo)
             for window in self._windows(todo):
                 if self.cache is not None:
                     window = self._respond(window)
@@ -347,16 +398,27 @@ class Extractor:
         """Prompts completed with the target's own (cached or newly generated) responses; short ones dropped."""
         gen, max_length = self.cfg.data.generation, self.cfg.data.max_length
         missing = sorted((s for s in prompts if self.cache.get(s.sample_id) is None), key=lambda s: s.num_tokens)
+        if missing and self._regen_bar is None:
+            # Its own bar: generating is usually slower than the forward pass that captures the states.
+            todo = sum(1 for s in self.samples if self.cache.get(s.sample_id) is None)
+            self._regen_bar = progress(total=todo, unit="sample", desc="regenerate")
         for first in range(0, len(missing), gen.batch_size):
             chunk = missing[first : first + gen.batch_size]
             budget = min(gen.max_new_tokens, max_length - chunk[0].num_tokens)
+            started = time.perf_counter()
             responses = generate_responses(self.model, self.tokenizer, [s.input_ids for s in chunk], gen, budget)
+            self._generate_seconds += time.perf_counter() - started
+            self._generated_tokens += sum(len(r) for r in responses)
             self.cache.add({s.sample_id: r for s, r in zip(chunk, responses, strict=True)})
+            self._regen_bar.set_postfix_str(
+                f"{self._generated_tokens / max(self._generate_seconds, 1e-9):,.0f} tok/s generated", refresh=False)
+            self._regen_bar.update(len(chunk))
         complete = []
         for prompt in prompts:
             sample = prompt.with_response(self.cache.get(prompt.sample_id), max_length)
             if int(sample.loss_mask.sum()) < self.cfg.min_supervised_tokens:
                 self._dropped[sample.sample_id] = ("short_response", sample.origin)
+                self._dropped_uses += 1
                 self._advance(1)
             else:
                 complete.append(sample)
@@ -373,14 +435,23 @@ class Extractor:
         """Called by the sink after each segment is published."""
         self.samples_written += len(samples)
         self.tokens_written += sum(len(s.input_ids) for s in samples)
-        elapsed = self.extract_seconds + time.perf_counter() - self._run_started
-        self.metrics.log(
-            "extract", samples=self.samples_written, tokens=self.tokens_written, samples_total=self.samples_total,
-            tok_s=round(self.tokens_written / max(elapsed, 1e-9), 1),
-            backpressure_s=round(self.backpressure_seconds, 3),
-        )
+        self._log_progress()
         self._segments_written += 1
         log_store_event(self.metrics, self.store, segments_written=self._segments_written)
+
+    def _log_progress(self, elapsed: float | None = None) -> None:
+        """An `extract` event. Samples count those a resumed run found in the store; the total leaves out the
+        ones regeneration dropped, so a finished shard reads 100 %. `backpressure_s` is the time writes were
+        held back by the full buffer (summary.json's extractor_backpressure_seconds), `stall_s` how much of
+        it reached the target's forward loop."""
+        if elapsed is None:
+            elapsed = self.extract_seconds + time.perf_counter() - self._run_started
+        self.metrics.log(
+            "extract", samples=self._samples_held + self.samples_written, tokens=self.tokens_written,
+            samples_total=self.samples_total - self._dropped_uses,
+            tok_s=round(self.tokens_written / max(elapsed, 1e-9), 1),
+            backpressure_s=round(self.writer.waited_seconds, 3), stall_s=round(self.backpressure_seconds, 3),
+        )
 
     def _finish_report(self) -> None:
         """With regeneration, the samples whose response was too short leave the report's kept ids."""
@@ -390,15 +461,19 @@ class Extractor:
             self.report.sample_ids = [i for i in self.report.sample_ids if i not in self._dropped]
             self.report.write(self.cfg.output_dir)
             log.info("after regeneration: %s", self.report.summary())
+            self.report.warn_if_few()
 
 
 def extract_command(args: argparse.Namespace) -> int:
+    stop_with_launcher()
     cfg = load_config(args.config, args.overrides)
     check_run_paths(cfg)  # before anything is written
     role = assign_uniform("extractor")
     setup_logging("extractor", role.index, show_bar=role.speaks_for_role)
     device = resolve_device(cfg.target)
     layer_ids, hidden_size = store_layout(cfg)
+    if role.index == 0:
+        hold_output(cfg, ("extract",))
     store = open_store(cfg, layer_ids, hidden_size)
     if role.index == 0:
         store.set_expected_writers(role.count)
@@ -409,9 +484,12 @@ def extract_command(args: argparse.Namespace) -> int:
     with store.heartbeat(f"extractor-{role.index}"):
         extractor = Extractor(cfg, role, store, metrics, device)
         extractor.run()
+        # While a trainer runs beside this launch, stay to extract again any segment it finds damaged.
+        extractor.serve_redo(lambda: not store.consumers_alive())
     summary = extractor.summary()
     metrics.log("end", summary=summary)
     metrics.close()
+    lease.release_all()
     log.info("extracted %d samples, %d tokens in %.1f s (%.0f tok/s, %.1f s waiting on the store)",
              summary["samples"], summary["tokens"], summary["extract_seconds"], summary["tok_s"],
              summary["backpressure_seconds"])

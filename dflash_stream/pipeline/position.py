@@ -100,7 +100,7 @@ class DataPosition:
     def load_state_dict(self, state: dict[str, list]) -> None:
         """Open the consumer keeping the claims `state` records, release the finished ones, re-queue the
         untrained samples of the half-trained ones; every other claim of this consumer goes back to READY."""
-        from dflash_stream.store import StoreError
+        from dflash_stream.store import CorruptChunk, StoreError
 
         finished = [claim_from_record(r) for r in state["finished"]]
         partial = [(claim_from_record(r["claim"]), r["trained"]) for r in state["partial"]]
@@ -123,5 +123,10 @@ class DataPosition:
         self.consumer = self.store.consumer(self.consumer_id, keep=half_done)
         for claim, trained in partial:
             done = set(trained)
+            try:
+                samples = [s for s in self.consumer.read(claim) if s.sample_id not in done]
+            except CorruptChunk as err:  # its untrained rest is extracted again (the trained part is recorded)
+                self.consumer.quarantine(claim, str(err), trained=done)
+                continue
             self.uses[claim.segment_id] = SegmentUse(claim, set(claim.sample_ids) - done, list(trained))
-            self.batcher.add(claim.segment_id, [s for s in self.consumer.read(claim) if s.sample_id not in done])
+            self.batcher.add(claim.segment_id, samples)

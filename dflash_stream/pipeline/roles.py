@@ -1,7 +1,8 @@
 """Which process does what: the split of an `accelerate launch` into extractors and trainers.
 
 Ranks `0 .. E-1` extract and ranks `E .. W-1` train, so the trainers form one contiguous data-parallel group
-whose collectives never involve an extractor.
+whose collectives never involve an extractor. `roles.trainers: auto` takes the split `plan` finds fastest
+(`observe.plan.split_plan`): extractors and trainers stream side by side, so the slower side sets the pace.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from dflash_stream.config import Config
+from dflash_stream.rundir import RunDir
 
 Role = Literal["extractor", "trainer", "single"]
 
@@ -39,6 +41,40 @@ class RoleInfo:
 def world() -> tuple[int, int]:
     """(rank, world size) as set by `accelerate launch` / torchrun, or (0, 1) for a plain process."""
     return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+
+
+def resolve_trainers(cfg: Config, world_size: int) -> tuple[int, str]:
+    """(trainers, why) for a split launch of `world_size` (> 1) processes, resolving `roles.trainers: auto`.
+
+    A run that resumes keeps the trainer count its latest checkpoint was written with (a checkpoint holds one
+    part per trainer). Otherwise auto takes the split with the shortest estimated wall time, as `plan` does.
+    """
+    if cfg.roles.trainers != "auto":
+        return cfg.roles.trainers, "roles.trainers in the config"
+    if world_size <= 2:
+        return 1, "roles.trainers: auto; the only split of 2 processes"
+    resume = RunDir(cfg.output_dir).latest_checkpoint()
+    parts = len(list(resume.glob("trainer-*.pt"))) if resume is not None else 0
+    if 0 < parts < world_size:
+        return parts, f"roles.trainers: auto; resuming {resume.name}, which {parts} trainer(s) wrote"
+    from dflash_stream.observe.plan import plan_roles
+
+    roles = plan_roles(cfg, world_size, allow_download=True)
+    walls = ", ".join(f"{a['extractors']}+{a['trainers']}: {r:.2f}x" for a, r in
+                      zip(roles["alternatives"], roles["alternatives_relative"], strict=True))
+    return roles["trainers"], (f"roles.trainers: auto; shortest estimated wall time of the splits extractors+trainers "
+                               f"(relative to the best: {walls}) [{roles['source']}]")
+
+
+def resolve_launch(cfg: Config) -> str | None:
+    """Turn `roles.trainers: auto` into this launch's number of trainers (in place, so that the resolved config
+    and every rank agree) and say why; None when nothing was chosen (one process, single mode, a fixed number)."""
+    _, world_size = world()
+    if world_size == 1 or cfg.roles.mode == "single" or cfg.roles.trainers != "auto":
+        return None
+    trainers, why = resolve_trainers(cfg, world_size)
+    cfg.roles.trainers = trainers
+    return why
 
 
 def init_distributed() -> torch.device:

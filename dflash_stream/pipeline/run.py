@@ -16,13 +16,17 @@ import torch
 import torch.distributed as dist
 
 from dflash_stream.config import Config, load_config
+from dflash_stream.diskfull import retry_when_full
 from dflash_stream.errors import DFlashError
 from dflash_stream.log import get_logger, setup_logging
 from dflash_stream.observe.metrics import MetricsWriter, TrainingTracker, peak_store_bytes
+from dflash_stream.observe.summary import summary_table
 from dflash_stream.pipeline.common import open_store, save_resolved_config, store_layout
-from dflash_stream.pipeline.roles import RoleInfo, assign_role, init_distributed
+from dflash_stream.pipeline.guard import hold_output, stop_with_launcher
+from dflash_stream.pipeline.roles import RoleInfo, assign_role, init_distributed, resolve_launch
 from dflash_stream.preflight import check_run_paths
 from dflash_stream.rundir import RunDir, write_atomic
+from dflash_stream.store import lease
 from dflash_stream.target_model import resolve_device
 
 log = get_logger("run")
@@ -34,12 +38,20 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _first_rank_opens_store(cfg: Config, role: RoleInfo, layer_ids: list[int], hidden_size: int):
-    """Rank 0 creates or recovers the store before anyone else touches it; its error stops every rank."""
+    """Rank 0 takes the output directory, then creates or recovers the store before anyone else touches it; its
+    error (a live run holds them, a bad store) stops every rank."""
     error: list[str | None] = [None]
     store = None
     if role.global_rank == 0:
         single = role.role == "single"
         try:
+            hold_output(cfg, ("extract", "train"))
+            save_resolved_config(cfg)
+            from dflash_stream.observe.disk import check_run_disk
+            from dflash_stream.target_model import load_target_config
+
+            # The whole footprint (store budget, checkpoints, export, data, metrics) against the free disk.
+            check_run_disk(cfg, load_target_config(cfg.target), layer_ids)
             store = open_store(cfg, layer_ids, hidden_size)
             # A trainer's own claims survive: its checkpoint may record a half-trained segment it resumes.
             trainers = [f"trainer-{i}" for i in range(1 if single else cfg.roles.trainers)]
@@ -48,6 +60,7 @@ def _first_rank_opens_store(cfg: Config, role: RoleInfo, layer_ids: list[int], h
                 log.info("recovered the store after an earlier stop: %s", report)
             store.set_expected_writers(1 if single else role.world_size - cfg.roles.trainers)
         except DFlashError as err:  # every rank must learn of it, or the others wait forever
+            lease.release_all()
             error[0] = str(err)
     if role.world_size > 1:
         dist.broadcast_object_list(error, src=0)
@@ -93,8 +106,7 @@ def write_summary(cfg: Config, store, started: float) -> dict[str, Any]:
         "eval": lead.get("eval"),
     }
     write_atomic(run.summary, json.dumps(summary, indent=2))
-    width = max(len(k) for k in summary)
-    lines = [f"  {k.ljust(width)}  {v if not isinstance(v, dict) else json.dumps(v)}" for k, v in summary.items()]
+    lines = summary_table(summary)
     print("\nrun summary (" + str(run.summary) + ")\n" + "\n".join(lines), flush=True)
     return summary
 
@@ -105,7 +117,7 @@ def _finish_training(cfg: Config, role: RoleInfo, trainer) -> dict[str, Any]:
     if role.index != 0:
         return fields
     run = RunDir(cfg.output_dir)
-    export = trainer.export(run.drafter)
+    export = retry_when_full(f"the drafter export {run.drafter}", run.root, lambda: trainer.export(run.drafter))
     fields["export"] = str(export)
     if cfg.eval.prompts:
         from dflash_stream.drafter import evaluate
@@ -152,7 +164,12 @@ def run_single(cfg: Config, role: RoleInfo, store, metrics: MetricsWriter, devic
         log.info("buffer full: training on the ready segments (round %d)", rounds)
         if trainer.run(until_idle=True) or trainer.stopped_by:  # train.max_steps reached, or a signal
             break
-    finished = trainer.stopped_by is None and trainer.run()
+    finished = False
+    # Train what is left, extracting again the samples of any segment found damaged on the way.
+    while trainer.stopped_by is None and not finished:
+        finished = trainer.run(until_idle=True)
+        if not finished and not extractor.redo_quarantined():
+            time.sleep(0.1)
     fields = {**_extractor_fields(extractor), **_trainer_fields(trainer)}
     return ({**fields, **_finish_training(cfg, role, trainer)} if finished else fields), finished
 
@@ -165,6 +182,8 @@ def run_role(cfg: Config, role: RoleInfo, store, metrics: MetricsWriter, device:
         with store.heartbeat(f"extractor-{role.index}"):  # from before the target loads
             extractor = Extractor(cfg, role, store, metrics, device)
             extractor.run()
+            # Stay to extract again what a trainer finds damaged, until training is over.
+            extractor.serve_redo(lambda: RunDir(cfg.output_dir).summary_part("trainer", 0).exists())
         return _extractor_fields(extractor), True
     from dflash_stream.pipeline.trainer import Trainer
 
@@ -176,15 +195,20 @@ def run_role(cfg: Config, role: RoleInfo, store, metrics: MetricsWriter, device:
 
 def run_command(args: argparse.Namespace) -> int:
     started = time.time()
+    stop_with_launcher()
     cfg = load_config(args.config, args.overrides)
     check_run_paths(cfg)  # before anything is written
+    chosen_by = resolve_launch(cfg)
     role = assign_role(cfg)
     setup_logging(role.role, role.index, show_bar=role.speaks_for_role)
     device = _device(cfg)
+    if role.global_rank == 0 and role.role != "single":
+        log.info("roles: %d extractor(s) + %d trainer(s) of %d processes (%s)", role.world_size - cfg.roles.trainers,
+                 cfg.roles.trainers, role.world_size, chosen_by or "roles.trainers in the config")
+    _check_memory(cfg, role, device)
     layer_ids, hidden_size = store_layout(cfg)
     output = Path(cfg.output_dir)
     if role.global_rank == 0:
-        save_resolved_config(cfg)
         log.info(
             "run: %d process(es), %s; layers %s of the target, store %s (budget %s, codec %s)",
             role.world_size, "single-process" if role.role == "single" else f"{role.count} {role.role}(s) here",
@@ -207,9 +231,23 @@ def run_command(args: argparse.Namespace) -> int:
             metrics.log("end", summary=summary)
     finally:
         metrics.close()
+        lease.release_all()
     if dist.is_initialized():
         dist.destroy_process_group()
     return 0
+
+
+def _check_memory(cfg: Config, role: RoleInfo, device: torch.device) -> None:
+    """Refuse a role whose estimated peak exceeds its GPU, warn when it leaves little headroom (observe.memory).
+    On CPU the roles share the host's RAM and nothing is checked."""
+    if device.type != "cuda":
+        return
+    from dflash_stream.observe.memory import startup_check
+
+    total = torch.cuda.get_device_properties(device).total_memory
+    warning = startup_check(cfg, role.role, int(cfg.roles.device_memory or total))
+    if warning:
+        log.warning("GPU memory: %s", warning)
 
 
 def _device(cfg: Config) -> torch.device:

@@ -26,8 +26,10 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
 
-from dflash_stream.config import Config, load_config
+from dflash_stream.config import MAX_LENGTH_BUCKETS, Config, load_config
+from dflash_stream.diskfull import retry_when_full
 from dflash_stream.drafter.batches import Member, TokenBatcher, collate
+from dflash_stream.drafter.shapes import CompileWatch, ShapePlan, fixed_shapes_on
 from dflash_stream.errors import DFlashError
 from dflash_stream.log import get_logger, progress
 from dflash_stream.observe.metrics import MetricsWriter, TrainingTracker
@@ -95,8 +97,14 @@ class Trainer:
         self.rng = RngState(tc.seed * 1_000_003 + self.index, device)
 
         # The data: this rank's segment uses, their samples queued in batches, the reader decoding ahead
-        self.batcher = TokenBatcher(tc.batch_tokens)
+        plan = ShapePlan.from_config(cfg)
+        self.batcher = TokenBatcher(plan)
         self.position = DataPosition(store, f"trainer-{self.index}", self.batcher)
+        # Fixed shapes where attention is compiled: one graph per length bucket instead of one per batch.
+        self.fixed_shapes = fixed_shapes_on(cfg, self.drafter.uses_flex(device))
+        self.compile_watch = CompileWatch(len(plan) if self.fixed_shapes else MAX_LENGTH_BUCKETS)
+        log.info("attention shapes: %s", plan.describe() if self.fixed_shapes
+                 else "per batch (train.fixed_shapes is off or attention is not compiled here)")
 
         # Progress
         self.steps = 0
@@ -108,6 +116,7 @@ class Trainer:
         self.latest_checkpoint: Path | None = None
         self.data_wait_seconds = 0.0
         self._last_checkpoint_step = 0
+        self._finished = False
         self.data_wait = DataWait(store, WAIT_POLL_SECONDS)  # its timeout is `train --wait-timeout`
         self.stats = StepStats(self.spec.block_size)
         self.stop = StopRequest()
@@ -152,9 +161,11 @@ class Trainer:
         """The files rank 0 writes for all: the drafter and the shared trainer state."""
         from dflash_stream.drafter import save_checkpoint_drafter
 
-        save_checkpoint_drafter(self.drafter, self.spec, staging)
+        retry_when_full(f"checkpoint model in {staging}", staging,
+                        lambda: save_checkpoint_drafter(self.drafter, self.spec, staging))
         ckpt.save_torch({
-            "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+            "optimizer": ckpt.optimizer_state(self.optimizer, self.cfg.train.optimizer_state_dtype),
+            "scheduler": self.scheduler.state_dict(),
             "step": self.steps, "tokens": self.tokens_trained, "samples": self._all_samples_trained,
         }, staging / ckpt.SHARED_STATE)
 
@@ -166,7 +177,7 @@ class Trainer:
         path = ckpt.save(
             self.run_dir.root, self.steps, self.index, rank_state=self._rank_state(),
             ledger=self.position.ledger_entries(), write_shared=self._write_shared if self.index == 0 else None,
-            barrier=self._barrier,
+            barrier=self._barrier, keep=self.cfg.train.keep_checkpoints,
         )
         # Durable now: what it records as finished may leave the store.
         released = self.position.release_finished()
@@ -190,6 +201,7 @@ class Trainer:
             while True:
                 if self._max_steps_reached():
                     self._checkpoint("train.max_steps reached")
+                    self._finish_report()
                     return True
 
                 # One step: forward/backward this rank's micro-batches, agree with the other ranks, update.
@@ -206,7 +218,7 @@ class Trainer:
                 # Stop, at the end of the data or on a signal.
                 if flags["all_exhausted"]:
                     self._checkpoint("end of data")
-                    self._flush_report()
+                    self._finish_report()
                     return True
                 if flags["stop"]:
                     self._checkpoint(f"stop requested by {self.stopped_by or 'another trainer'}")
@@ -249,13 +261,16 @@ class Trainer:
             members = self._next_members()
             if not members:
                 break
-            batch = collate(members, self.device)
+            shape = self.batcher.shape(members) if self.fixed_shapes else None
+            batch = collate(members, self.device, shape)
             with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
                 out = dflash_loss(
                     self.drafter, self.head, batch,
                     num_anchors=self.cfg.train.num_anchors, gamma=self.cfg.train.gamma,
-                    generator=self.rng.generator,
+                    generator=self.rng.generator, num_blocks=shape.blocks if shape else None,
+                    chunk_rows=self.cfg.train.loss_chunk_rows,
                 )
+            self.compile_watch.observe(tuple(batch["input_ids"].shape))
             # Backpropagate the weighted sum; the step divides by the global weight (see module docstring).
             (out.loss * out.weight).backward()
             self.stats.add(out)
@@ -346,7 +361,8 @@ class Trainer:
         if self._exhausted():
             time.sleep(0.05)  # only the other ranks are still training; wait for their next step
             return
-        self.data_wait.tick()
+        # A segment READY in the store, or claimed and being decoded, is data on its way: no wait to report.
+        self.data_wait.tick(data_on_its_way=not self._store_idle())
         started = time.perf_counter()
         self._take_segment(timeout=WAIT_POLL_SECONDS)
         self.data_wait_seconds += time.perf_counter() - started
@@ -391,6 +407,14 @@ class Trainer:
         if self.steps % self.cfg.train.log_every == 0:
             self._flush_report()
 
+    def _finish_report(self) -> None:
+        """Training is over: the last log line, and the bar and the total (`train_done`) end at the steps taken."""
+        self._finished = True
+        self.bar.total = self.steps
+        self.bar.refresh()
+        self._flush_report()
+        self.metrics.log("train_done", step=self.steps, total_steps=self.steps)
+
     def _flush_report(self) -> None:
         stats = self.stats.flush()
         if stats is None:
@@ -404,9 +428,18 @@ class Trainer:
         self.bar.set_postfix(loss=f"{stats['loss']:.3f}", tau=f"{tau:.2f}", tok_s=f"{tok_s:.0f}",
                              wait=f"{self.data_wait_seconds:.0f}s")
         self.metrics.log(
-            "train", step=self.steps, loss=stats["loss"], acc=stats["acc"], tau=tau, lr=lr,
+            "train", step=self.steps, total_steps=self._total_steps(), loss=stats["loss"], acc=stats["acc"], tau=tau,
+            lr=lr,
             tokens=self.tokens_trained, tok_s=tok_s, data_wait_s=self.data_wait_seconds, epoch=stats["epoch"],
+            graphs_compiled=self.compile_watch.graphs_compiled, graphs_planned=self.compile_watch.bound,
         )
+
+    def _total_steps(self) -> int:
+        """The steps this training will take, as known now (the schedule's estimate, train.max_steps)."""
+        if self._finished:
+            return self.steps
+        total = self.schedule.total_steps
+        return min(total, self.cfg.train.max_steps) if self.cfg.train.max_steps else total
 
     # ---------------------------------------------------------------- export
 
@@ -435,9 +468,12 @@ def register(sub: argparse._SubParsersAction) -> None:
 def train_command(args: argparse.Namespace) -> int:
     from dflash_stream.log import setup_logging
     from dflash_stream.pipeline.common import open_store, save_resolved_config, store_layout
+    from dflash_stream.pipeline.guard import hold_output, stop_with_launcher
     from dflash_stream.pipeline.roles import assign_uniform, init_distributed
     from dflash_stream.preflight import check_run_paths
+    from dflash_stream.store import lease
 
+    stop_with_launcher()
     cfg = load_config(args.config, args.overrides)
     check_run_paths(cfg, data=False)  # before anything is written; training reads no data files
     role = assign_uniform("trainer")
@@ -447,6 +483,8 @@ def train_command(args: argparse.Namespace) -> int:
     if not (Path(cfg.store.path) / "store.json").is_file():
         raise DFlashError(f"no store at {cfg.store.path} yet: start `dflash-stream extract` with this config first "
                           "(it creates the store); `train` then waits for its segments")
+    if role.index == 0:
+        hold_output(cfg, ("train",))
     store = open_store(cfg, layer_ids, hidden_size, create=False)
     if role.index == 0:
         save_resolved_config(cfg)
@@ -468,6 +506,7 @@ def train_command(args: argparse.Namespace) -> int:
     finally:
         trainer.close()
         metrics.close()
+        lease.release_all()
     if finished:
         return 0
     # Stopped by a signal (here or on another trainer): exit the way a shell reports death by it.

@@ -36,12 +36,16 @@ class DataWait:
     def reset(self) -> None:
         self.since, self.polls = None, 0
 
-    def tick(self) -> None:
+    def tick(self, data_on_its_way: bool = False) -> None:
+        """`data_on_its_way`: a segment is READY or being decoded, so this poll is no wait for data (it neither
+        starts a wait nor counts toward the timeout)."""
+        if data_on_its_way and self.since is None:
+            return
         now = time.monotonic()
         self.polls += 1
         if self.since is None:
             self.since, self._last_said = now, now
-            log.info("waiting for data: no decoded segment at hand (store segments: %s); %s",
+            log.info("waiting for data: no segment ready in the store (store segments: %s); %s",
                      self.store.status()["segments"], describe_writers(self.store.heartbeats()))
             return
         waited = now - self.since

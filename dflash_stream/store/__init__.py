@@ -14,6 +14,8 @@ On-disk layout (every state change is one atomic `rename` or an `O_EXCL`/`mkdir`
     PATH/budget/lock/                mkdir lock around the reserve step (holder named inside, stale-aware)
     PATH/budget/reserved/<writer>    bytes reserved by that writer's in-flight segment
     PATH/budget/waiting/<writer>     present while that writer waits for the budget
+    PATH/budget/records/<writer>     bytes that writer's records in info/ take (so the budget need not list
+                                     info/ and done/, which grow with every segment, on each reservation)
 
 Segment ids are `<writer>.<seq>`. Lifecycle: reserve -> tmp -> info -> rename (published) -> ready@0 ->
 claimed -> release: ready@u+1, or done + delete after `reuse` uses. Budget: `du` of everything outside

@@ -22,9 +22,10 @@ def block_size(path: Path) -> int:
     return max(4096, os.statvfs(path).f_frsize)
 
 
-def du(path: Path, skip_below: frozenset[str] = frozenset()) -> int:
-    """Allocated bytes of `path` and everything under it; for directories named in `skip_below`, only the
-    directory itself and its direct subdirectories (their contents are accounted elsewhere)."""
+def du(path: Path, skip_below: frozenset[str] = frozenset(), only_itself: frozenset[str] = frozenset()) -> int:
+    """Allocated bytes of `path` and everything under it; for directories of `path` named in `skip_below`, only
+    the directory itself and its direct subdirectories, for those named in `only_itself` only the directory
+    (their contents are accounted elsewhere)."""
     total = 0
     stack = [(path, False)]
     while stack:
@@ -37,7 +38,8 @@ def du(path: Path, skip_below: frozenset[str] = frozenset()) -> int:
                     except FileNotFoundError:
                         continue
                     total += st.st_blocks * 512
-                    if entry.is_dir(follow_symlinks=False) and not shallow:
+                    if entry.is_dir(follow_symlinks=False) and not shallow and not (
+                            current == path and entry.name in only_itself):
                         stack.append((Path(entry.path), entry.name in skip_below and current == path))
         except FileNotFoundError:
             continue
@@ -48,7 +50,7 @@ def du(path: Path, skip_below: frozenset[str] = frozenset()) -> int:
 
 class DirLock:
     """An mkdir lock that holds on NFS. The holder is named by an empty file inside it, so a lock left by a
-    dead process on this host (or older than `STALE_LOCK_SECONDS` anywhere) is broken."""
+    dead process on this host (or, from another host, older than `STALE_LOCK_SECONDS`) is broken."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -76,12 +78,13 @@ class DirLock:
             age = time.time() - os.stat(self.path).st_mtime
         except FileNotFoundError:
             return False
-        if age > STALE_LOCK_SECONDS:
-            return True
         for holder in holders:
             host, _, pid = holder.rpartition(".")
-            if host == socket.gethostname() and pid.isdigit() and not _alive(int(pid)):
-                return True
+            if host == socket.gethostname() and pid.isdigit():
+                # Judged by its pid alone, so that a jump of this host's clock cannot break a live lock.
+                return not _alive(int(pid))
+        if age > STALE_LOCK_SECONDS:
+            return True
         # A holder that died between mkdir and naming itself leaves an empty lock.
         return not holders and age > 1.0
 

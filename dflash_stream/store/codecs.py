@@ -1,40 +1,49 @@
-"""How hidden states become zarr v3 arrays, per `store.codec`, and how one chunk becomes bytes.
+"""How hidden states become a segment's zarr v3 arrays, one `Codec` per `store.codec`, and how one chunk
+becomes bytes.
+
+A codec is one object in `REGISTRY`: the arrays it stores (`specs`), `encode`, `decode`, its worst-case size
+(`stored_bound`) and its design ratio (what `plan` assumes until `tune` measures this target). Adding a codec
+is one class here and one `register` call: the config, the store, `plan` and `bench store` take it from the
+registry.
 
 Every array is chunked along its first axis only, so each chunk is a contiguous slab of the array, and each
 chunk is stored as zarr's `zstd` then `crc32c` codecs would store it (or `crc32c` alone): zarr-python reads a
 segment as it is, while the store encodes and decodes the chunks itself, in parallel, straight between the
 states and the chunk files (zarr's codec pipeline costs more than the compression).
 
-- `lossless`: bf16 split into its two byte planes. The high plane (sign, exponent, top mantissa bit) is stored
-  in groups of `GROUP` channels, group-major: zstd then sees each group's narrow set of exponents together,
-  which beats full transposition (measured 3.21x vs 3.10x on that plane) at a fraction of the cost. The low
-  plane (low mantissa bits) is near-random, so it is stored as is: zstd gains nothing there. Bit-exact.
+- `lossless`: bf16 split into its two byte planes, both layer-major [K*T, D]: the states are gathered that way
+  (a copy the gather makes anyway), so that one Huffman table per zstd block sees one layer's narrow range of
+  exponents (measured 1.46x against 1.42x token-major). The high plane (sign, exponent, top mantissa bit) is
+  zstd-coded with Huffman literals and almost no match search (see `zstd.py`); the low plane (low mantissa
+  bits) is near-random, so it is stored as is. Bit-exact.
 - `fp8`: from each channel the segment's mean is subtracted (hidden states carry large per-channel offsets);
   of what is left, each token and layer keeps its largest value exactly ("peak": channel and bf16 bits) and
   the rest becomes e4m3 scaled by its own maximum, stored channel-major and zstd-coded. Measured on SmolLM2:
   0.60 % relative error at 2.48x, where one plain scale per token and layer gives 0.80 % at 2.51x.
 - `none`: the raw uint16 view, for comparison.
+
+torch is imported only where a codec runs, so that `config` and `plan` can name the codecs without it.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import google_crc32c
 import numpy as np
-import torch
-from numcodecs import Zstd
 
-CODECS = ("lossless", "fp8", "none")
+from dflash_stream.store import zstd
+from dflash_stream.store.profile import stage
+
+if TYPE_CHECKING:
+    import torch
+
 PLANE_CHUNK_BYTES = 2 << 20
 """Bytes per chunk: zstd gains nothing from more, and a segment gives each core several chunks to code."""
-GROUP = 32
-"""Channels per group of the lossless high-byte plane (measured best among 4..64)."""
-ZSTD_LEVEL = 1  # higher levels are slower and, on the exponent plane, compress less
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 CHECKSUM_BYTES = 4
-_ZSTD = Zstd(level=ZSTD_LEVEL)  # numcodecs' Zstd, the one zarr's ZstdCodec uses; it releases the GIL
 
 
 @dataclass(frozen=True)
@@ -45,6 +54,7 @@ class ArraySpec:
     rows: int
     dtype: str
     compress: bool = True
+    level: int = zstd.LEVEL
 
     @property
     def chunks(self) -> tuple[int, ...]:
@@ -67,91 +77,155 @@ def small_spec(shape: tuple[int, ...], dtype: str) -> ArraySpec:
     return ArraySpec(shape, max(1, shape[0]), dtype)
 
 
-def _rows(length: int, row_bytes: int) -> int:
+def plane_rows(length: int, row_bytes: int) -> int:
     """Rows per chunk: near PLANE_CHUNK_BYTES and as even as possible, as the last chunk is stored padded."""
     pieces = max(1, -(-length * row_bytes // PLANE_CHUNK_BYTES))
     return max(1, -(-length // pieces))
 
 
-def group_width(width: int) -> int:
-    return next(g for g in (GROUP, 16, 8, 4, 2, 1) if width % g == 0)
+class Codec:
+    """How the bf16 states [T, K*D] of a segment are stored. Subclasses set `name`, `design_ratio`, `exact`."""
+
+    name: str
+    design_ratio: float
+    """On-disk size of raw bf16 states over stored size, measured on SmolLM2-135M states: what `plan`
+    assumes until `tune` measures this target."""
+    exact: bool
+    design_encode_bytes_per_core_s: float
+    design_decode_bytes_per_core_s: float
+    """Raw bytes per CPU-second (all threads) to encode + checksum + write a segment, and to read + check +
+    decode one: `bench store --json` `per_core` (1 thread) on SmolLM2 states, what `plan` sizes the store's
+    cores by until `tune` measures this target."""
+    design_rate_note = "bench store per-core figure, SmolLM2 states on a 2-core AMD EPYC VM, measured under load"
+
+    layer_major = False
+    """`encode` takes the states as [K, T, D] rather than [T, K*D] (the gather transposes them for free)."""
+
+    def specs(self, tokens: int, width: int, num_layers: int) -> dict[str, ArraySpec]:
+        raise NotImplementedError
+
+    def encode(self, bits: np.ndarray, num_layers: int) -> dict[str, np.ndarray]:
+        """The arrays' contents, shaped as in `specs` and cast to their dtype as C casts. Views where
+        possible: the chunk coders copy each slab out in their own threads. `bits`: the bf16 states as
+        little-endian uint16, C-contiguous, [T, K*D] (or [K, T, D] where `layer_major`)."""
+        raise NotImplementedError
+
+    def decode(self, arrays: dict[str, np.ndarray], num_layers: int) -> torch.Tensor:
+        """bf16 [T, K*D], a view of one freshly decoded buffer."""
+        raise NotImplementedError
+
+    def arrays(self) -> tuple[str, ...]:
+        return tuple(self.specs(1, 1, 1))
+
+    def stored_bound(self, tokens: int, width: int, num_layers: int) -> int:
+        """Most bytes the state arrays' chunk files can hold."""
+        return sum(spec.stored_bound() for spec in self.specs(tokens, width, num_layers).values())
 
 
-def state_specs(codec: str, tokens: int, width: int, num_layers: int) -> dict[str, ArraySpec]:
-    if codec == "lossless":
-        g = group_width(width)
+REGISTRY: dict[str, Codec] = {}
+
+
+def register(codec: Codec) -> Codec:
+    REGISTRY[codec.name] = codec
+    return codec
+
+
+def names() -> tuple[str, ...]:
+    return tuple(REGISTRY)
+
+
+def get(name: str) -> Codec:
+    """The codec called `name`; KeyError names the allowed ones."""
+    try:
+        return REGISTRY[name]
+    except KeyError:
+        raise KeyError(f"unknown store codec '{name}'; allowed: {', '.join(REGISTRY)}") from None
+
+
+def _as_bf16(bits: np.ndarray) -> torch.Tensor:
+    import torch
+
+    return torch.from_numpy(bits.view(np.int16)).view(torch.bfloat16)
+
+
+class Lossless(Codec):
+    name, design_ratio, exact, layer_major = "lossless", 1.44, True, True
+    design_encode_bytes_per_core_s, design_decode_bytes_per_core_s = 0.48e9, 0.87e9
+
+    def specs(self, tokens: int, width: int, num_layers: int) -> dict[str, ArraySpec]:
+        rows, hidden = num_layers * tokens, width // num_layers
+        return {"hidden_hi": ArraySpec((rows, hidden), plane_rows(rows, hidden), "uint8", level=zstd.FAST),
+                "hidden_lo": ArraySpec((rows, hidden), plane_rows(rows, hidden), "uint8", compress=False)}
+
+    def encode(self, bits: np.ndarray, num_layers: int) -> dict[str, np.ndarray]:
+        # Little-endian: byte 1 of each value is the high one. The low plane is `bits` itself, cast to uint8
+        # as each chunk is copied out: a cast costs less than a strided copy.
+        rows = bits.reshape(-1, bits.shape[-1])
+        return {"hidden_hi": rows.view(np.uint8)[:, 1::2], "hidden_lo": rows}
+
+    def decode(self, arrays: dict[str, np.ndarray], num_layers: int) -> torch.Tensor:
+        hi, lo = arrays["hidden_hi"], arrays["hidden_lo"]
+        planes = lo.astype("<u2")
+        planes.view(np.uint8)[:, 1::2] = hi
+        hidden = lo.shape[1]
+        tokens = len(lo) // num_layers
+        bits = np.empty((tokens, num_layers, hidden), dtype="<u2")
+        bits[...] = planes.reshape(num_layers, tokens, hidden).transpose(1, 0, 2)  # runs of D values: cheap
+        return _as_bf16(bits.reshape(tokens, -1))
+
+
+def _fp8_values() -> np.ndarray:
+    """float32 value of every e4m3fn byte (bias 7, no infinities, 0x7F/0xFF NaN): a table lookup decodes
+    several times faster than torch's conversion."""
+    b = np.arange(256)
+    sign = np.where(b & 0x80, -1.0, 1.0)
+    exp, man = (b >> 3) & 0xF, b & 0x7
+    value = np.where(exp == 0, man / 8 * 2.0 ** -6, (1 + man / 8) * 2.0 ** (exp - 7))
+    value[(b & 0x7F) == 0x7F] = np.nan
+    return (sign * value).astype(np.float32)
+
+
+class Fp8(Codec):
+    name, design_ratio, exact = "fp8", 2.4, False
+    design_encode_bytes_per_core_s, design_decode_bytes_per_core_s = 0.16e9, 0.31e9
+    VALUES = _fp8_values()
+
+    def specs(self, tokens: int, width: int, num_layers: int) -> dict[str, ArraySpec]:
         return {
-            "hidden_hi": ArraySpec((width // g, tokens, g), _rows(width // g, tokens * g), "uint8"),
-            "hidden_lo": ArraySpec((tokens, width), _rows(tokens, width), "uint8", compress=False),
-        }
-    if codec == "fp8":
-        return {
-            "hidden_fp8": ArraySpec((width, tokens), _rows(width, tokens), "uint8"),
+            "hidden_fp8": ArraySpec((width, tokens), plane_rows(width, tokens), "uint8"),
             "scales": small_spec((tokens, num_layers), "float32"),
             "peaks": small_spec((tokens, num_layers, 2), "uint16"),
             "channel_mean": small_spec((width,), "float32"),
         }
-    return {"hidden": ArraySpec((tokens, width), _rows(tokens, 2 * width), "uint16", compress=False)}
 
+    def encode(self, bits: np.ndarray, num_layers: int) -> dict[str, np.ndarray]:
+        import torch
 
-def state_arrays(codec: str) -> tuple[str, ...]:
-    return tuple(state_specs(codec, 1, 1, 1))
+        # numpy, not torch: its reductions over the last axis are several times faster on CPU.
+        tokens, width = bits.shape
+        x = (bits.astype(np.uint32) << 16).view(np.float32).reshape(tokens, num_layers, -1)  # bf16 = top of f32
+        mean = x.mean(0)
+        rest = np.subtract(x, mean, out=x)
+        size = np.abs(rest)
+        peak = size.argmax(-1)[..., None]
+        np.put_along_axis(rest, peak, 0.0, -1)
+        np.put_along_axis(size, peak, 0.0, -1)
+        scales = np.maximum(size.max(-1, keepdims=True), np.finfo(np.float32).tiny) / np.float32(FP8_MAX)
+        q = torch.from_numpy(rest / scales).to(torch.float8_e4m3fn).view(torch.uint8).view(tokens, width)
+        peak_bits = np.take_along_axis(bits.reshape(tokens, num_layers, -1), peak, -1)
+        return {
+            "hidden_fp8": q.t().contiguous().numpy(),  # torch transposes bytes several times faster than numpy
+            "scales": scales.reshape(tokens, num_layers),
+            "peaks": np.concatenate([peak.astype(np.uint16), peak_bits], -1),
+            "channel_mean": mean.reshape(width),
+        }
 
+    def decode(self, arrays: dict[str, np.ndarray], num_layers: int) -> torch.Tensor:
+        import torch
 
-def _high_bytes(bits: np.ndarray) -> np.ndarray:
-    """The high byte plane [groups, tokens, group], in group-major order: a view of `bits`."""
-    tokens, width = bits.shape
-    g = group_width(width)
-    grouped = bits.view(np.uint8).reshape(tokens, width // g, g, 2)  # little-endian: byte 1 is the high one
-    return grouped[..., 1].transpose(1, 0, 2)
-
-
-FP8_VALUES = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float().numpy()
-"""float32 value of every e4m3 byte: a table lookup decodes several times faster than torch's conversion."""
-
-
-def encode_states(codec: str, bits: np.ndarray, num_layers: int) -> dict[str, np.ndarray]:
-    """The state arrays' contents, shaped as in `state_specs` and cast to their dtype as C casts (so `bits`
-    stands for its own low bytes). Views where possible. `bits`: the bf16 states [T, K*D] as little-endian
-    uint16, C-contiguous."""
-    if codec == "lossless":
-        # A strided copy of the low bytes costs several times this cast.
-        return {"hidden_hi": _high_bytes(bits), "hidden_lo": bits}
-    if codec == "fp8":
-        return _encode_fp8(bits, num_layers)
-    return {"hidden": bits}
-
-
-def _encode_fp8(bits: np.ndarray, num_layers: int) -> dict[str, np.ndarray]:
-    # numpy, not torch: its reductions over the last axis are several times faster on CPU.
-    tokens, width = bits.shape
-    x = (bits.astype(np.uint32) << 16).view(np.float32).reshape(tokens, num_layers, -1)  # bf16 = top half of f32
-    mean = x.mean(0)
-    rest = np.subtract(x, mean, out=x)
-    size = np.abs(rest)
-    peak = size.argmax(-1)[..., None]
-    np.put_along_axis(rest, peak, 0.0, -1)
-    np.put_along_axis(size, peak, 0.0, -1)
-    scales = np.maximum(size.max(-1, keepdims=True), np.finfo(np.float32).tiny) / np.float32(FP8_MAX)
-    q = torch.from_numpy(rest / scales).to(torch.float8_e4m3fn).view(torch.uint8).view(tokens, width)
-    peak_bits = np.take_along_axis(bits.reshape(tokens, num_layers, -1), peak, -1)
-    return {
-        "hidden_fp8": q.t().contiguous().numpy(),  # torch transposes bytes several times faster than numpy
-        "scales": scales.reshape(tokens, num_layers),
-        "peaks": np.concatenate([peak.astype(np.uint16), peak_bits], -1),
-        "channel_mean": mean.reshape(width),
-    }
-
-
-def decode_states(codec: str, arrays: dict[str, np.ndarray], num_layers: int) -> torch.Tensor:
-    """bf16 [T, K*D], a view of one freshly decoded buffer."""
-    if codec == "lossless":
-        bits = arrays["hidden_lo"].astype("<u2")
-        _high_bytes(bits)[...] = arrays["hidden_hi"]
-    elif codec == "fp8":
         width, tokens = arrays["hidden_fp8"].shape
         q = torch.from_numpy(arrays["hidden_fp8"]).t().contiguous().numpy()
-        x = FP8_VALUES[q].reshape(tokens, num_layers, -1)
+        x = self.VALUES[q].reshape(tokens, num_layers, -1)
         x *= arrays["scales"][..., None]
         x += arrays["channel_mean"].reshape(num_layers, -1)
         states = torch.from_numpy(x).to(torch.bfloat16)
@@ -159,29 +233,51 @@ def decode_states(codec: str, arrays: dict[str, np.ndarray], num_layers: int) ->
         states.view(torch.int16).scatter_(-1, torch.from_numpy(channel.astype(np.int64)),
                                           torch.from_numpy(np.ascontiguousarray(value).view(np.int16)))
         return states.view(tokens, width)
-    else:
-        bits = arrays["hidden"]
-    return torch.from_numpy(bits.view(np.int16)).view(torch.bfloat16)
+
+
+class Raw(Codec):
+    name, design_ratio, exact = "none", 1.0, True
+    design_encode_bytes_per_core_s, design_decode_bytes_per_core_s = 1.5e9, 3.0e9
+
+    def specs(self, tokens: int, width: int, num_layers: int) -> dict[str, ArraySpec]:
+        return {"hidden": ArraySpec((tokens, width), plane_rows(tokens, 2 * width), "uint16", compress=False)}
+
+    def encode(self, bits: np.ndarray, num_layers: int) -> dict[str, np.ndarray]:
+        return {"hidden": bits}
+
+    def decode(self, arrays: dict[str, np.ndarray], num_layers: int) -> torch.Tensor:
+        return _as_bf16(arrays["hidden"])
+
+
+register(Lossless())
+register(Fp8())
+register(Raw())
 
 
 # ---- one chunk ------------------------------------------------------------------------------------------------
 def encode_chunk(part: np.ndarray, spec: ArraySpec) -> memoryview:
     """A chunk file's bytes from `part`, the chunk's slab of the array's content (any strides and integer
-    type; the last slab may be short and is padded with zarr's fill value, zero)."""
+    type; the last slab may be short and is padded with zarr's fill value, zero). The checksum is written
+    into the coded buffer's tail, so the file is written from that buffer without another copy."""
     dtype = np.dtype(spec.dtype).newbyteorder("<")
     if spec.compress and part.dtype == dtype and len(part) == spec.rows and part.flags.c_contiguous:
-        frame = _ZSTD.encode(part)
-        return memoryview(frame + _checksum(frame))
-    size = math.prod(spec.chunks) * dtype.itemsize
-    buf = np.empty(size + CHECKSUM_BYTES, dtype=np.uint8)  # room for the checksum when stored as is
-    chunk = buf[:size].view(dtype).reshape(spec.chunks)
-    np.copyto(chunk[: len(part)], part, casting="unsafe")
-    chunk[len(part):] = 0
+        chunk = part
+    else:
+        with stage("plane split"):  # the codec's views become this chunk's contiguous bytes
+            # Stored as is, the chunk is copied straight into the buffer the file is written from.
+            size = math.prod(spec.chunks) * dtype.itemsize
+            buf = np.empty(size + (0 if spec.compress else CHECKSUM_BYTES), dtype=np.uint8)
+            chunk = buf[:size].view(dtype).reshape(spec.chunks)
+            np.copyto(chunk[: len(part)], part, casting="unsafe")
+            chunk[len(part):] = 0
     if spec.compress:
-        frame = _ZSTD.encode(chunk)
-        return memoryview(frame + _checksum(frame))
-    buf[size:] = np.frombuffer(_checksum(buf[:size]), dtype=np.uint8)
-    return memoryview(buf)
+        with stage("zstd"):
+            buf, n = zstd.compress(chunk, CHECKSUM_BYTES, spec.level)
+    else:
+        n = chunk.nbytes
+    with stage("checksum"):
+        buf[n:n + CHECKSUM_BYTES] = np.frombuffer(_checksum(buf[:n]), dtype=np.uint8)
+    return memoryview(buf[:n + CHECKSUM_BYTES])
 
 
 def _checksum(data) -> bytes:
@@ -192,8 +288,9 @@ def decode_chunk(data: np.ndarray, spec: ArraySpec, out: np.ndarray) -> None:
     """Check and decode a chunk file's bytes (uint8) into `out`, the chunk's contiguous slab of the array.
     Raises ValueError on any damage."""
     payload, stored = data[:-CHECKSUM_BYTES], data[-CHECKSUM_BYTES:]
-    if len(data) < CHECKSUM_BYTES or _checksum(payload) != stored.tobytes():
-        raise ValueError("checksum mismatch")
+    with stage("checksum"):
+        if len(data) < CHECKSUM_BYTES or _checksum(payload) != stored.tobytes():
+            raise ValueError("checksum mismatch")
     dtype = np.dtype(spec.dtype).newbyteorder("<")
     size = math.prod(spec.chunks) * dtype.itemsize
     if len(out) == spec.rows and spec.compress:  # a full chunk decodes in place
@@ -211,6 +308,7 @@ def decode_chunk(data: np.ndarray, spec: ArraySpec, out: np.ndarray) -> None:
 
 def _decompress(payload: np.ndarray, out: np.ndarray) -> None:
     try:
-        _ZSTD.decode(payload, out=out)
+        with stage("zstd"):
+            zstd.DECODER.decode(payload, out=out)
     except RuntimeError as err:  # numcodecs reports damaged frames as RuntimeError
         raise ValueError(str(err)) from None

@@ -1,4 +1,4 @@
-"""`dflash-stream store status` and `dflash-stream store dump`."""
+"""`dflash-stream store status`, `store dump` and `store verify`."""
 
 from __future__ import annotations
 
@@ -21,6 +21,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     dump.add_argument("--sample-id", type=int, required=True)
     dump.add_argument("--out", required=True, help="FILE.safetensors")
     dump.set_defaults(func=_dump)
+    verify = cmds.add_parser("verify", help="check every chunk's checksum; report damaged segments, change nothing")
+    verify.add_argument("path")
+    verify.add_argument("--json", action="store_true", help="print {segments, damaged, ok}")
+    verify.set_defaults(func=_verify)
 
 
 def _status(args: argparse.Namespace) -> int:
@@ -67,3 +71,16 @@ def _dump(args: argparse.Namespace) -> int:
         raise DFlashError(f"store dump --out {out}: {str(err).splitlines()[0]}") from None
     print(f"sample {args.sample_id} ({len(sample.input_ids)} tokens, segment {segment_id}) -> {args.out}")
     return 0
+
+
+def _verify(args: argparse.Namespace) -> int:
+    """Exit 0 only if every live segment reads back with intact checksums."""
+    from dflash_stream.store.store import Store
+
+    report = Store.attach(args.path).verify()
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print(f"store {args.path}: {report['segments']} segment(s) checked, "
+              + (f"{len(report['damaged'])} damaged: {', '.join(report['damaged'])}" if report["damaged"] else "all intact"))
+    return 0 if report["ok"] else 1

@@ -16,6 +16,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from dflash_stream.rundir import write_atomic
+
 HEARTBEAT_SECONDS = 5.0
 STALE_SECONDS = 30.0
 """A heartbeat older than this belongs to a writer that stopped (or lost the filesystem)."""
@@ -35,9 +37,7 @@ class Heartbeat:
         atexit.register(self.stop)  # a process that ends by an exception is not alive either
 
     def _beat(self) -> None:
-        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"time": time.time(), "pid": os.getpid(), "host": socket.gethostname()}))
-        os.replace(tmp, self.path)
+        write_atomic(self.path, json.dumps({"time": time.time(), "pid": os.getpid(), "host": socket.gethostname()}))
 
     def _loop(self) -> None:
         while not self._stop.wait(self.every):

@@ -7,6 +7,7 @@ import threading
 import time
 from collections.abc import Iterator
 
+from dflash_stream.store.errors import CorruptChunk
 from dflash_stream.store.segment import StoredSample
 from dflash_stream.store.store import Claim, SegmentConsumer
 
@@ -16,7 +17,8 @@ _END = object()
 class SegmentReader:
     """Decoded `(claim, samples)` until the end of data, from `next(timeout)` or by iterating. Up to
     `prefetch` segments are claimed and decoded ahead; they stay claimed by this consumer until released
-    (recovery returns them if the process dies)."""
+    (recovery returns them if the process dies). A segment that fails its checksums is quarantined
+    (`SegmentConsumer.quarantine`) and skipped."""
 
     def __init__(self, consumer: SegmentConsumer, prefetch: int = 2) -> None:
         self.consumer = consumer
@@ -73,7 +75,12 @@ class SegmentReader:
                     if self.consumer.exhausted():
                         break
                     continue
-                if not self._put((claim, self.consumer.read(claim))):
+                try:
+                    samples = self.consumer.read(claim)
+                except CorruptChunk as err:  # one bad segment must not end the run: its writer redoes it
+                    self.consumer.quarantine(claim, str(err))
+                    continue
+                if not self._put((claim, samples)):
                     return
         except BaseException as err:  # handed to the thread that asks for segments
             self._put(err)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import errno
+import contextlib
 import json
 import os
 import re
@@ -13,35 +13,44 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dflash_stream import diskfull
 from dflash_stream.log import get_logger
 from dflash_stream.rundir import write_atomic
 from dflash_stream.store import budget as bud
-from dflash_stream.store.codecs import CODECS
-from dflash_stream.store.errors import BudgetTooSmall, FingerprintMismatch, StoreError, StoreFull
+from dflash_stream.store import codecs, lease, sizes
+from dflash_stream.store.backpressure import BackpressureLog
+from dflash_stream.store.errors import (
+    BudgetTooSmall,
+    CorruptChunk,
+    FingerprintMismatch,
+    StoreError,
+    StoreFull,
+)
 from dflash_stream.store.heartbeat import Heartbeat, read_heartbeats
 from dflash_stream.store.segment import (
     FORMAT,
     Sample,
     StoredSample,
     check_samples,
-    disk_bound,
     encode_segment,
     files_bound,
-    raw_bytes,
     read_segment,
     write_files,
 )
 
 log = get_logger("store")
-DIRS = ("segments", "tmp", "info", "ready", "claimed", "done", "writers", "budget", "budget/reserved", "budget/waiting")
-BASE_BLOCKS = 2 * len(DIRS) + 8
-"""Blocks the empty store takes: its directories, store.json, the lock and a few markers."""
+DIRS = ("segments", "tmp", "info", "ready", "claimed", "done", "writers", "budget", "budget/reserved", "budget/waiting",
+        "budget/records", "locks", "quarantine")
 _ID = re.compile(r"^[A-Za-z0-9_-]+$")
 POLL_SECONDS = (0.02, 0.5)
+QUARANTINE_SHARE = 0.25
+"""Damaged segments are kept for inspection (and counted in the budget) while the quarantine holds less than
+this share of the budget; past it only their records are kept."""
 
 
 def _write_json(path: Path, obj: Any) -> None:
-    write_atomic(path, json.dumps(obj))
+    # No waiting on a full disk here: the writer handles it (its reservation, its segment) itself.
+    write_atomic(path, json.dumps(obj), wait_when_full=False)
 
 
 def _check_id(kind: str, value: str) -> str:
@@ -80,18 +89,19 @@ class SegmentInfo:
     raw_bytes: int
     bytes: int
     """Allocated bytes on disk, as `du` counts them."""
-
-
-def min_budget(max_segment_raw_bytes: int, width: int, block: int, codec: str) -> int:
-    tokens = max_segment_raw_bytes // (2 * width + 5) + 1
-    return disk_bound(max_segment_raw_bytes, tokens, width, block, codec) + (BASE_BLOCKS + bud.SLACK_BLOCKS + 4) * block
+    first_use: int = 0
+    """The first use it is READY for (above 0 only for a replacement of a damaged segment's later uses)."""
+    replaces: str | None = None
+    """`<segment>.<part>` of the quarantined segment whose samples it holds again."""
 
 
 class Store:
     """Open with `Store.open`; see the package docstring for the layout and the lifecycle."""
 
-    def __init__(self, path: Path, manifest: dict[str, Any], budget: int) -> None:
+    def __init__(self, path: Path, manifest: dict[str, Any], budget: int, keep_free: int = 0) -> None:
         self.path = path
+        self.keep_free = keep_free
+        """Bytes writers leave free on the store's filesystem, whatever the budget (checkpoints, other jobs)."""
         self.fingerprint: dict[str, Any] = manifest["fingerprint"]
         self.codec: str = manifest["codec"]
         self.reuse: int = manifest["reuse"]
@@ -105,18 +115,17 @@ class Store:
     # ---- opening -------------------------------------------------------------------------------------------
     @classmethod
     def open(cls, path: str | os.PathLike, *, budget: int, codec: str, reuse: int, fingerprint: dict,
-             max_segment_raw_bytes: int, create: bool = True) -> Store:
+             max_segment_raw_bytes: int, create: bool = True, keep_free: int = 0) -> Store:
         path = Path(path)
-        if codec not in CODECS:
-            raise StoreError(f"unknown store codec '{codec}'; allowed: {', '.join(CODECS)}")
+        if codec not in codecs.REGISTRY:
+            raise StoreError(f"unknown store codec '{codec}'; allowed: {', '.join(codecs.names())}")
         if reuse < 1:
             raise StoreError(f"store reuse must be >= 1, got {reuse}")
         try:
             width = len(fingerprint["layer_ids"]) * int(fingerprint["hidden_size"])
         except (KeyError, TypeError, ValueError):
             raise StoreError("the store fingerprint must give layer_ids and hidden_size (the shape of the states)") from None
-        existing = next(p for p in (path, *path.parents) if p.exists())
-        smallest = min_budget(max_segment_raw_bytes, width, bud.block_size(existing), codec)
+        smallest = sizes.smallest_budget(path, max_segment_raw_bytes, width, codec)
         if budget < smallest:
             raise BudgetTooSmall(
                 f"store budget {budget:,} bytes cannot hold one worst-case segment of {max_segment_raw_bytes:,} raw "
@@ -140,7 +149,7 @@ class Store:
             _write_json(path / "store.json", {**manifest, "budget": budget})
         for d in DIRS:
             (path / d).mkdir(exist_ok=True)
-        return cls(path, manifest, budget)
+        return cls(path, manifest, budget, keep_free)
 
     @classmethod
     def attach(cls, path: str | os.PathLike) -> Store:
@@ -153,10 +162,15 @@ class Store:
 
     # ---- the public surface --------------------------------------------------------------------------------
     def writer(self, writer_id: str) -> SegmentWriter:
-        return SegmentWriter(self, _check_id("writer", writer_id))
+        # One process per writer id: a second one would write the same segment ids (see lease.py).
+        lease.acquire(self.path / "locks" / f"writer-{_check_id('writer', writer_id)}",
+                      f"writer id {writer_id} of store {self.path}")
+        return SegmentWriter(self, writer_id)
 
     def consumer(self, consumer_id: str, keep: Iterable[str] = ()) -> SegmentConsumer:
-        return SegmentConsumer(self, _check_id("consumer", consumer_id), set(keep))
+        lease.acquire(self.path / "locks" / f"consumer-{_check_id('consumer', consumer_id)}",
+                      f"consumer id {consumer_id} of store {self.path}")
+        return SegmentConsumer(self, consumer_id, set(keep))
 
     def heartbeat(self, writer_id: str) -> Heartbeat:
         """Start showing that this writer is alive (from before it loads its target); `stop()` it when done."""
@@ -175,12 +189,22 @@ class Store:
             expected = json.loads((self.path / "writers" / "expected").read_text())
         except FileNotFoundError:
             return False
-        return len(self._finished_writers()) >= expected
+        # Samples of a damaged segment still to be extracted again are data yet to come.
+        return len(self._finished_writers()) >= expected and not self.redo_pending()
+
+    def consumers_alive(self) -> bool:
+        """Some other live process holds a consumer id of this store (a trainer is running)."""
+        return lease.any_live(self.path / "locks", "consumer-")
+
+    def drained(self) -> bool:
+        """End of data, and every segment consumed for the last time."""
+        return self.end_of_data and not self._ls("ready") and not any(self._ls(f"claimed/{c}") for c in self._ls("claimed"))
 
     def published(self) -> list[SegmentInfo]:
         """Every segment ever published here, live or already released and deleted."""
         # Segments are listed before `done`: a release moves its marker to done before deleting the segment.
         names = set(self._ls("segments")) | {_marker(n)[0] for n in self._ls("done")}
+        names |= {n.removesuffix(".json") for n in self._ls("quarantine") if n.endswith(".json")}
         return [info for info in map(self._record, sorted(names)) if info is not None]
 
     def stored_sample_ids(self) -> dict[int, set[int]]:
@@ -209,7 +233,10 @@ class Store:
 
         Claims of `keep_consumers` stay: a resuming trainer decides itself which of its claims to keep.
         """
+        lease.check_free(self.path / "locks", f"store {self.path}")
         report = {"partial_writes": 0, "reservations": 0, "claims_returned": 0, "deletions_finished": 0}
+        for record in self.quarantined():
+            self._finish_quarantine(record)
         writers = set(self._ls("tmp")) | set(self._ls("budget/reserved")) | set(self._ls("budget/waiting"))
         for w in writers:
             report["partial_writes"] += len(self._ls(f"tmp/{w}"))
@@ -217,7 +244,7 @@ class Store:
             self._clean_writer(w)
         for seg in self._ls("segments"):
             if not self._has_marker(seg):
-                self._mark_ready(seg)
+                self._mark_published(seg)
         for c in set(self._ls("claimed")) - set(keep_consumers):
             report["claims_returned"] += self._return_claims(c, set())
         for name in self._ls("done"):
@@ -248,7 +275,7 @@ class Store:
                 return None
             self._info[segment_id] = SegmentInfo(
                 raw["segment_id"], raw["pass_index"], tuple(raw["sample_ids"]), raw["num_tokens"], raw["raw_bytes"],
-                raw["bytes"],
+                raw["bytes"], raw.get("first_use", 0), raw.get("replaces"),
             )
         return self._info[segment_id]
 
@@ -275,13 +302,26 @@ class Store:
 
     def _used(self) -> int:
         """Published segments at their recorded size, plus everything outside segments and partial writes.
-        Segments are listed before the rest is measured, so a segment deleted in between is still counted."""
+        Segments are listed before the rest is measured, so a segment deleted in between is still counted.
+        Records (info/) and release markers (done/) only accumulate: their directories are measured themselves,
+        the records through their writers' running totals, so this costs the same after any number of segments."""
         charged = 0
         for seg in self._ls("segments"):
             info = self._record(seg)
             # A segment dir without its record is a crashed publish being recovered: measure it.
             charged += info.bytes if info else bud.du(self.path / "segments" / seg)
-        return charged + bud.du(self.path, frozenset({"segments", "tmp"}))
+        rest = bud.du(self.path, frozenset({"segments", "tmp"}), frozenset({"info", "done"}))
+        return charged + rest + self._records_bytes()
+
+    def _records_bytes(self) -> int:
+        """Bytes of the records in info/, as each writer totals its own (budget/records/<writer>)."""
+        total = 0
+        for w in self._ls("budget/records"):
+            try:
+                total += int((self.path / "budget" / "records" / w).read_text() or 0)
+            except (FileNotFoundError, ValueError):
+                continue
+        return total
 
     def _has_marker(self, seg: str) -> bool:
         names = self._ls("ready") + self._ls("done") + [n for c in self._ls("claimed") for n in self._ls(f"claimed/{c}")]
@@ -289,6 +329,68 @@ class Store:
 
     def _mark_ready(self, seg: str, use: int = 0) -> None:
         (self.path / "ready" / f"{seg}@{use}").touch()
+
+    def _mark_published(self, seg: str) -> None:
+        """The steps after a segment's publishing rename: a replacement marks its quarantined part redone (before
+        READY, so that a crash between the two cannot have it extracted a third time), then READY."""
+        info = self._record(seg)
+        if info is not None and info.replaces:
+            (self.path / "quarantine" / f"{info.replaces}.redone").touch()
+        self._mark_ready(seg, info.first_use if info else 0)
+
+    # ---- damaged segments ----------------------------------------------------------------------------------
+    def quarantined(self) -> list[dict[str, Any]]:
+        """Records of the quarantined segments: segment_id, pass_index, use_index, sample_ids, reason, kept
+        (whether the damaged files are still in quarantine/) and redo: the parts to extract again, each
+        {pass_index, first_use, sample_ids}."""
+        records = []
+        for name in sorted(self._ls("quarantine")):
+            if name.endswith(".json"):
+                try:
+                    records.append(json.loads((self.path / "quarantine" / name).read_text()))
+                except (FileNotFoundError, json.JSONDecodeError):
+                    continue
+        return records
+
+    def redo_requests(self, writer_id: str) -> list[tuple[str, dict[str, Any]]]:
+        """(tag, part) for each quarantined part that writer `writer_id` has not extracted again yet."""
+        redone = {n.removesuffix(".redone") for n in self._ls("quarantine") if n.endswith(".redone")}
+        return [(f"{r['segment_id']}.{k}", part) for r in self.quarantined() if r["segment_id"].rpartition(".")[0] == writer_id
+                for k, part in enumerate(r["redo"]) if f"{r['segment_id']}.{k}" not in redone]
+
+    def redo_pending(self) -> bool:
+        names = self._ls("quarantine")
+        if not names:
+            return False
+        redone = {n.removesuffix(".redone") for n in names if n.endswith(".redone")}
+        return any(f"{r['segment_id']}.{k}" not in redone for r in self.quarantined() for k in range(len(r["redo"])))
+
+    def _finish_quarantine(self, record: dict[str, Any]) -> None:
+        """Move a quarantined segment's files aside (or delete them) and drop its markers; repeatable, so that
+        recovery completes a quarantine a crash interrupted."""
+        seg = record["segment_id"]
+        body = self.path / "segments" / seg
+        if record["kept"]:
+            with contextlib.suppress(FileNotFoundError):
+                os.rename(body, self.path / "quarantine" / seg)
+        else:
+            shutil.rmtree(body, ignore_errors=True)
+        for rel in ["ready", *(f"claimed/{c}" for c in self._ls("claimed"))]:
+            for name in self._ls(rel):
+                if _marker(name)[0] == seg:
+                    (self.path / rel / name).unlink(missing_ok=True)
+
+    def verify(self) -> dict[str, Any]:
+        """Read every live segment and check every chunk's checksum; changes nothing."""
+        segments, damaged = sorted(self._ls("segments")), []
+        for seg in segments:
+            try:
+                read_segment(seg, self.path / "segments" / seg)
+            except CorruptChunk as err:
+                if (self.path / "segments" / seg).exists():  # not merely deleted by a consumer meanwhile
+                    damaged.append(seg)
+                    log.warning("%s", err)
+        return {"segments": len(segments), "damaged": damaged, "ok": not damaged}
 
     def _clean_writer(self, writer_id: str) -> None:
         """Remove a writer's partial writes, its unpublished records and its reservation; mark its published
@@ -298,7 +400,7 @@ class Store:
         shutil.rmtree(self.path / "tmp" / writer_id, ignore_errors=True)
         for seg in self._ls("segments"):
             if seg.rpartition(".")[0] == writer_id and not self._has_marker(seg):
-                self._mark_ready(seg)
+                self._mark_published(seg)
         for rel in ("budget/reserved", "budget/waiting"):
             (self.path / rel / writer_id).unlink(missing_ok=True)
 
@@ -317,49 +419,81 @@ class SegmentWriter:
     def __init__(self, store: Store, writer_id: str) -> None:
         self.store, self.id = store, writer_id
         self.waited_seconds = 0.0
+        self._pressure = BackpressureLog(log, writer_id)
         store._clean_writer(writer_id)
         (store.path / "writers" / f"{writer_id}.finished").unlink(missing_ok=True)
-        mine = [n.removesuffix(".json").rpartition(".")[2] for n in store._ls("info") if n.startswith(f"{writer_id}.")]
-        self._seq = max((int(s) for s in mine if s.isdigit()), default=-1) + 1
+        mine = [n for n in store._ls("info") if n.startswith(f"{writer_id}.") and n.endswith(".json")]
+        seqs = [n.removesuffix(".json").rpartition(".")[2] for n in mine]
+        self._seq = max((int(s) for s in seqs if s.isdigit()), default=-1) + 1
+        # The running total of this writer's records, recounted once per start (after any crash).
+        self._records = sum(_blocks(store.path / "info" / n) for n in mine)
+        _write_json(store.path / "budget" / "records" / writer_id, self._records)
         (store.path / "tmp" / writer_id).mkdir(exist_ok=True)
 
-    def write(self, samples: list[Sample], pass_index: int = 0, block: bool = True) -> SegmentInfo:
+    def write(self, samples: list[Sample], pass_index: int = 0, block: bool = True, first_use: int = 0,
+              replaces: str | None = None) -> SegmentInfo:
+        """`first_use` and `replaces` (a tag from `Store.redo_requests`) write a damaged segment's samples again."""
         st = self.store
         tokens = check_samples(samples, st.width)
-        raw = raw_bytes(tokens, len(samples), st.width)
+        raw = sizes.raw_bytes(tokens, len(samples), st.width)
         seg = f"{self.id}.{self._seq:06d}"
         record = {"segment_id": seg, "pass_index": pass_index, "sample_ids": [int(s.sample_id) for s in samples],
                   "num_tokens": tokens, "raw_bytes": raw}
+        if replaces is not None:
+            record.update(first_use=first_use, replaces=replaces)
         files = encode_segment(samples, st.codec, st.layer_ids, st.hidden_size)
         record_bytes = len(json.dumps({**record, "bytes": 0})) + 32
         # The segment, its record, and this writer's reservation file.
         need = files_bound(files, st.block) + (-(-record_bytes // st.block) + 1) * st.block
-        self._reserve(need, block)
         tmp = st.path / "tmp" / self.id / seg
-        try:
-            write_files(tmp, files)
-            info = SegmentInfo(seg, pass_index, tuple(record["sample_ids"]), tokens, raw, bud.du(tmp))
-            if info.bytes > need:
-                log.warning("segment %s took %d bytes, more than the %d reserved for it", seg, info.bytes, need)
-            _write_json(st.path / "info" / f"{seg}.json", {**record, "bytes": info.bytes})
-            os.rename(tmp, st.path / "segments" / seg)
-            st._mark_ready(seg)
-        except OSError as err:
-            (st.path / "info" / f"{seg}.json").unlink(missing_ok=True)
-            shutil.rmtree(tmp, ignore_errors=True)
-            self._unreserve()
-            why = "disk full" if err.errno == errno.ENOSPC else (err.strerror or str(err))
-            raise StoreError(f"writing segment {seg} under {st.path} failed: {why}; the partial write was removed") from None
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            self._unreserve()
-            raise
+        waited, delay = 0.0, 1.0
+        while True:
+            try:
+                self._reserve(need, block)
+                write_files(tmp, files)
+                info = SegmentInfo(seg, pass_index, tuple(record["sample_ids"]), tokens, raw, bud.du(tmp),
+                                   record.get("first_use", 0), replaces)
+                if info.bytes > need:
+                    log.warning("segment %s took %d bytes, more than the %d reserved for it", seg, info.bytes, need)
+                _write_json(st.path / "info" / f"{seg}.json", {**record, "bytes": info.bytes})
+                os.rename(tmp, st.path / "segments" / seg)
+                break
+            except OSError as err:
+                with contextlib.suppress(OSError):  # a read-only disk refuses this too; recovery finishes it
+                    (st.path / "info" / f"{seg}.json").unlink(missing_ok=True)
+                    shutil.rmtree(tmp, ignore_errors=True)
+                    self._unreserve()
+                if not diskfull.is_full(err):
+                    raise StoreError(f"writing segment {seg} under {st.path} failed: {err.strerror or err}; the "
+                                     "partial write was removed") from None
+                # The filesystem filled below the budget (another job took the space): wait for room.
+                free = diskfull.free_bytes(st.path)
+                if not block:
+                    raise StoreFull(f"the disk under {st.path} filled while writing segment {seg} ({free:,} bytes "
+                                    "free); the partial write was removed") from None
+                if waited >= diskfull.WAIT_SECONDS:
+                    raise diskfull.DiskFull(f"the disk under {st.path} stayed full for {waited:.0f} s ({free:,} bytes "
+                                            "free); free space there and run the same command again") from None
+                log.warning("disk full while writing segment %s under %s (%s bytes free): the partial write was "
+                            "removed; retrying in %.0f s", seg, st.path, f"{free:,}", delay)
+                time.sleep(delay)
+                waited, delay = waited + delay, min(delay * 2, diskfull.MAX_DELAY)
+            except BaseException:
+                shutil.rmtree(tmp, ignore_errors=True)
+                self._unreserve()
+                raise
+        # Published: from here on only forward, never undone.
+        st._info[seg] = info
+        diskfull.retry_when_full(f"the markers of segment {seg}", st.path, lambda: st._mark_published(seg))
+        # Counted under the reservation until here, the record now joins this writer's total.
+        self._records += _blocks(st.path / "info" / f"{seg}.json")
+        _write_json(st.path / "budget" / "records" / self.id, self._records)
         self._unreserve()
         self._seq += 1
-        st._info[seg] = info
         return info
 
     def finish(self) -> None:
+        self._pressure.flowing(final=True)
         (self.store.path / "writers" / f"{self.id}.finished").touch()
 
     # ---- budget --------------------------------------------------------------------------------------------
@@ -373,31 +507,58 @@ class SegmentWriter:
                 # Reservations are read before segments and segments before the rest: see `_used`.
                 reserved = st._reserved()
                 used = st._used()
-                if used + reserved + need + slack <= st.budget:
-                    _write_json(st.path / "budget" / "reserved" / self.id, need)
-                    break
-            if used + need + slack > st.budget and reserved == 0 and not st._ls("segments"):
+                fits_budget = used + reserved + need + slack <= st.budget
+                # The filesystem may be smaller, or fuller, than the budget: leave store.keep_free to the rest.
+                free = diskfull.free_bytes(st.path)
+                fits_disk = need + slack <= free - reserved - st.keep_free
+                if fits_budget and fits_disk:
+                    try:
+                        _write_json(st.path / "budget" / "reserved" / self.id, need)
+                        break
+                    except OSError as err:
+                        if not diskfull.is_full(err):
+                            raise
+                        fits_disk = False
+            empty = reserved == 0 and not st._ls("segments")
+            if not fits_budget and empty and used + need + slack > st.budget:
                 raise BudgetTooSmall(
                     f"store budget {st.budget:,} bytes cannot fit a segment needing {need:,} bytes beside the "
                     f"{used:,} bytes of records already there; raise store.budget"
                 )
+            waited_long = waiting_since is not None and time.monotonic() - waiting_since > diskfull.WAIT_SECONDS
+            if not fits_disk and empty and (not block or waited_long):
+                raise diskfull.DiskFull(
+                    f"the filesystem under {st.path} has {free:,} bytes free, store.keep_free keeps {st.keep_free:,} "
+                    f"of them, a segment needs {need:,}, and the store holds nothing a trainer could free; free space "
+                    "there (or lower store.keep_free) and run the same command again"
+                )
             if not block:
                 raise StoreFull(
                     f"store {st.path} is full: used {used:,} + reserved {reserved:,} of {st.budget:,} bytes; "
-                    f"{need:,} bytes needed"
+                    f"{need:,} bytes needed" + ("" if fits_disk else f"; the disk has {free:,} bytes free")
                 )
             if waiting_since is None:
                 waiting_since = time.monotonic()
-                (st.path / "budget" / "waiting" / self.id).touch()
-                log.info("writer %s waits for the trainer to free space: used %s + reserved %s of budget %s bytes, "
-                         "%s bytes needed", self.id, f"{used:,}", f"{reserved:,}", f"{st.budget:,}", f"{need:,}")
+                with contextlib.suppress(OSError):  # only a hint for the trainers; a full disk may refuse it
+                    (st.path / "budget" / "waiting" / self.id).touch()
+                if fits_disk:
+                    self._pressure.blocked(f"used {used:,} + reserved {reserved:,} of budget {st.budget:,} bytes, "
+                                           f"{need:,} bytes needed")
+                else:
+                    log.warning("writer %s waits for space: the filesystem under %s has %s bytes free (store.keep_free "
+                                "keeps %s of them), below what store.budget allows; %s bytes needed", self.id,
+                                st.path, f"{free:,}", f"{st.keep_free:,}", f"{need:,}")
+            else:
+                self._pressure.remind()
             time.sleep(delay)
             delay = min(delay * 2, POLL_SECONDS[1])
         if waiting_since is not None:
             waited = time.monotonic() - waiting_since
             self.waited_seconds += waited
             (st.path / "budget" / "waiting" / self.id).unlink(missing_ok=True)
-            log.info("writer %s resumes after waiting %.1f s for space", self.id, waited)
+            self._pressure.resumed(waited)
+        else:
+            self._pressure.flowing()
 
     def _unreserve(self) -> None:
         (self.store.path / "budget" / "reserved" / self.id).unlink(missing_ok=True)
@@ -447,9 +608,41 @@ class SegmentConsumer:
                     f"segment {c.segment_id} (use {c.use_index}) is not claimed by consumer {self.id}; it was "
                     "released already or returned to READY by recovery"
                 ) from None
+            except OSError as err:  # a store that became read-only (or vanished): say so in one line
+                raise StoreError(f"releasing segment {c.segment_id} in {st.path} failed: {err.strerror or err}; "
+                                 "it stays claimed, and the next run releases it") from None
 
     def writers_waiting(self) -> bool:
         return bool(self.store._ls("budget/waiting"))
+
+    def quarantine(self, claim: Claim, reason: str, trained: Iterable[int] = ()) -> None:
+        """Set a damaged segment aside instead of stopping: its writer extracts its samples again for this use
+        and the later ones, so every epoch still trains each sample once. `trained`: ids of this use already
+        trained (a half-trained segment found damaged on resume); only the rest come back for this use."""
+        st, seg = self.store, claim.segment_id
+        path = st.path / "quarantine" / f"{seg}.json"
+        record = None
+        with contextlib.suppress(FileNotFoundError, json.JSONDecodeError):
+            record = json.loads(path.read_text())  # quarantined before a crash: keep what it decided
+        if record is None:
+            done = set(trained)
+            rest = [i for i in claim.sample_ids if i not in done]
+            redo = [{"pass_index": claim.pass_index, "first_use": claim.use_index, "sample_ids": rest}] if rest else []
+            if done and claim.use_index + 1 < claim.reuse:
+                redo.append({"pass_index": claim.pass_index, "first_use": claim.use_index + 1,
+                             "sample_ids": [i for i in claim.sample_ids if i in done]})
+            kept = bud.du(st.path / "quarantine") + claim.bytes <= st.budget * QUARANTINE_SHARE
+            record = {"segment_id": seg, "pass_index": claim.pass_index, "use_index": claim.use_index,
+                      "sample_ids": list(claim.sample_ids), "reason": reason, "kept": kept, "redo": redo,
+                      "time": time.time()}
+            # The decision is durable before anything moves; recovery completes the rest after a crash.
+            diskfull.retry_when_full(f"quarantine record {path}", st.path, lambda: _write_json(path, record))
+            where = (f"its files kept in {st.path / 'quarantine' / seg} (counted in the budget until you delete them)"
+                     if kept else "its files deleted (the quarantine already holds a quarter of the budget)")
+            log.warning("quarantined damaged segment %s (%s); %s; its %d sample(s) %s will be extracted again by "
+                        "writer %s", seg, reason, where, len(claim.sample_ids), list(claim.sample_ids),
+                        seg.rpartition(".")[0])
+        st._finish_quarantine(record)
 
     def _try_claim(self) -> Claim | None:
         st = self.store
@@ -485,6 +678,14 @@ class SegmentConsumer:
         """Some claim will come back to READY for another use."""
         st = self.store
         return any(_marker(n)[1] + 1 < st.reuse for c in st._ls("claimed") for n in st._ls(f"claimed/{c}"))
+
+
+def _blocks(path: Path) -> int:
+    """Allocated bytes of one file, as `du` counts them."""
+    try:
+        return os.stat(path).st_blocks * 512
+    except FileNotFoundError:
+        return 0
 
 
 def _probe_writable(path: Path) -> None:

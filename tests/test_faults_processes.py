@@ -1,0 +1,122 @@
+"""Faults with real launches: the launcher killed alone (orphaned workers, a rerun at once), a disk smaller than
+the budget, and two separate launches (`extract` and `train`) sharing one store, with kills."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from test_pipeline import LAUNCH_2CPU, REPO, assert_exactly_once, events, rank_pids, write_run_config
+
+pytestmark = pytest.mark.slow
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie (exited, not yet reaped by its dead parent's reaper) counts as gone.
+    with contextlib.suppress(OSError):
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    return True
+
+
+def _launch(config: Path, log: Path, *command: str) -> subprocess.Popen:
+    """A launch whose output goes to a file: orphans keep their inherited output open long after a kill."""
+    cmd = [sys.executable, "-m", *command, "--config", str(config)]
+    with open(log, "a") as out:
+        return subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _accelerate_run(config: Path, log: Path) -> subprocess.Popen:
+    return _launch(config, log, "accelerate.commands.launch", "--config_file", str(LAUNCH_2CPU), "-m",
+                   "dflash_stream", "run")
+
+
+def _wait_for(condition, timeout: float, what: str) -> None:
+    deadline = time.time() + timeout
+    while not condition():
+        assert time.time() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+def test_kill_9_of_the_launcher_alone_then_rerun_at_once(tiny_target_dir, tmp_path):
+    config = write_run_config(tmp_path, tiny_target_dir, rows=240)
+    output = tmp_path / "out"
+    first = _accelerate_run(config, tmp_path / "first.log")
+    _wait_for(lambda: any(e["event"] == "train" for e in events(output)), 240, "training to start")
+    workers = rank_pids(output)
+    # A second launch typed by hand on the live output_dir is refused in one line naming the holder.
+    second = subprocess.run([sys.executable, "-m", "dflash_stream", "run", "--config", str(config)], cwd=REPO,
+                            capture_output=True, text=True, timeout=300)
+    assert second.returncode == 2, second.stderr[-3000:]
+    refusal = second.stderr.strip().splitlines()[-1]
+    assert refusal.startswith("dflash-stream: error: output_dir") and "is in use by a live process" in refusal
+    assert f"pid {workers['extractor-0']}," in refusal and "host " in refusal and "since 20" in refusal
+    os.kill(first.pid, signal.SIGKILL)  # the launcher alone: its workers run in sessions of their own
+    first.wait()
+    assert not (output / "summary.json").exists(), "the kill came too late to test anything"
+    # Rerun at once, and again while it is refused, until it finishes.
+    refusals = []
+    for attempt in range(6):
+        log = tmp_path / f"rerun-{attempt}.log"
+        rerun = _accelerate_run(config, log)
+        if attempt == 0:
+            # Meanwhile the orphans notice their launcher die and stop (a trainer after its checkpoint).
+            _wait_for(lambda: not any(_alive(pid) for pid in workers.values()), 60, "the orphaned workers to stop")
+        assert rerun.wait(timeout=400) in (0, 1, 2), log.read_text()[-3000:]
+        if rerun.returncode == 0:
+            break
+        refusals += [line for line in log.read_text().splitlines() if "in use" in line]
+        assert refusals, log.read_text()[-3000:]
+        time.sleep(1)
+    assert rerun.returncode == 0, (tmp_path / f"rerun-{attempt}.log").read_text()[-3000:]
+    for line in refusals:  # one line, naming the holder
+        assert "pid " in line and "since " in line and "host " in line
+    first_log = (tmp_path / "first.log").read_text()
+    assert "checkpoint step-" in first_log and "(stop requested by SIGTERM)" in first_log, first_log[-3000:]
+    assert_exactly_once(output, epochs=2)
+
+
+def test_separate_extract_and_train_launches_share_a_store_through_kills_and_damage(tiny_target_dir, tmp_path):
+    from test_faults import _corrupt_first_state_chunk
+
+    from dflash_stream.pipeline.audit import audit_run
+
+    config = write_run_config(tmp_path, tiny_target_dir, rows=160)
+    output, store = tmp_path / "out", tmp_path / "out" / "store"
+    extract = _launch(config, tmp_path / "extract.log", "dflash_stream", "extract")
+    _wait_for(lambda: (store / "store.json").exists(), 120, "the store")
+    train = _launch(config, tmp_path / "train.log", "dflash_stream", "train")
+    _wait_for(lambda: any(e["event"] == "train" for e in events(output)), 240, "training to start")
+    # A second extraction on the same store is refused in one line naming the live one.
+    second = subprocess.run([sys.executable, "-m", "dflash_stream", "extract", "--config", str(config)], cwd=REPO,
+                            capture_output=True, text=True, timeout=300)
+    assert second.returncode == 2 and f"pid {extract.pid}," in second.stderr.strip().splitlines()[-1], second.stderr
+    os.kill(train.pid, signal.SIGKILL)
+    train.wait()
+    # While no trainer runs, the segments in the store are damaged (a bad disk): those the dead trainer had
+    # not finished are found on resume (claimed ones returned to READY, a half-trained one re-read).
+    damaged = sorted(os.listdir(store / "segments"))
+    for seg in damaged:
+        _corrupt_first_state_chunk(store / "segments" / seg)
+    train = _launch(config, tmp_path / "train.log", "dflash_stream", "train")
+    time.sleep(5)
+    if extract.poll() is None:  # and the extraction dies too, then comes back
+        os.kill(extract.pid, signal.SIGKILL)
+        extract.wait()
+        extract = _launch(config, tmp_path / "extract.log", "dflash_stream", "extract")
+    assert train.wait(timeout=400) == 0, (tmp_path / "train.log").read_text()[-3000:]
+    assert extract.wait(timeout=120) == 0, (tmp_path / "extract.log").read_text()[-3000:]
+    report = audit_run(output)
+    assert report["ok"], report
+    quarantined = [q["segment_id"] for q in report["quarantined"]]
+    assert quarantined and set(quarantined) <= set(damaged), (quarantined, damaged)
+    assert f"quarantined damaged segment {quarantined[0]}" in (tmp_path / "train.log").read_text()

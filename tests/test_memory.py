@@ -1,0 +1,293 @@
+"""The memory model's parts, the launch and its split into roles, and plan's memory/roles/regeneration output."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from dflash_stream.cli import main
+from dflash_stream.config import ConfigError, load_config
+from dflash_stream.errors import DFlashError
+from dflash_stream.observe.memory import (
+    DrafterDims,
+    startup_check,
+    target_dims,
+    train_batch,
+    trainer_memory,
+    worst_train_batch,
+)
+from dflash_stream.observe.plan import TargetShape, best_split, build_plan, read_launch, split_alternatives
+
+ROOT = Path(__file__).parent.parent
+HEADLINE = ROOT / "configs" / "qwen3.6-27b-4gpu.yaml"
+GB = 10**9
+
+
+def _config(tmp_path: Path, **sections) -> Path:
+    tree = {
+        "output_dir": str(tmp_path / "out"),
+        "target": {"model": "org/m", "num_layers": 36, "hidden_size": 4096, "vocab_size": 151936,
+                   "intermediate_size": 12288, "num_key_value_heads": 8, "head_dim": 128},
+        "data": {"sources": [{"path": "org/data", "limit": 100_000}], "max_length": 2048},
+        "store": {"path": str(tmp_path / "store"), "budget": "10GiB"},
+        "train": {"epochs": 3, "batch_tokens": 2048},
+    }
+    for name, values in sections.items():
+        tree[name] = {**tree.get(name, {}), **values}
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(tree))
+    return path
+
+
+# ------------------------------------------------------------------------------------------- model parts
+
+
+def test_drafter_and_target_parameter_counts_match_the_real_modules():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from dflash_stream.drafter import DFlashDrafter, DrafterSpec
+
+    dims = DrafterDims(hidden_size=64, intermediate_size=96, num_layers=3, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=24, context_layers=5, vocab_size=300, block_size=8)
+    spec = DrafterSpec(hidden_size=64, intermediate_size=96, num_layers=3, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=24, rope_theta=1e4, rms_norm_eps=1e-6, vocab_size=300,
+                       block_size=8, mask_token_id=299, target_layer_ids=[0, 1, 2, 3, 4], num_target_layers=6)
+    drafter = DFlashDrafter(spec)
+    assert dims.num_parameters == sum(p.numel() for p in drafter.parameters())
+    linear = sum(m.weight.numel() for m in drafter.modules() if isinstance(m, torch.nn.Linear))
+    assert dims.linear_parameters == linear
+
+    for tied in (True, False):
+        model = LlamaForCausalLM(LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=96,
+                                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                             tie_word_embeddings=tied))
+        shape = TargetShape(2, 64, 300, 96, "test", 4, 2, 16, tied)
+        assert target_dims(shape).num_parameters == sum(p.numel() for p in model.parameters())
+        assert not target_dims(shape).assumed
+
+
+def test_unknown_target_widths_are_assumed_and_named():
+    dims = target_dims(TargetShape(64, 5120, None, None, "hints"))
+    assert dims.vocab_size == 151_936 and dims.intermediate_size == 8 * 5120 // 3
+    assert any("target.vocab_size" in a for a in dims.assumed)
+    assert any("target.intermediate_size" in a for a in dims.assumed)
+    assert any("target.num_key_value_heads" in a for a in dims.assumed)
+    assert target_dims(TargetShape(64, 5120, None, None, "hints", num_parameters=27e9)).num_parameters == 27e9
+
+
+def test_worst_train_batch_is_the_batchers_largest():
+    """Brute force over every row length the token batcher could cut: the most block tokens."""
+    cfg = load_config(ROOT / "configs" / "demo.yaml")
+    worst = worst_train_batch(cfg)
+    t, b = cfg.train, cfg.drafter.block_size
+    best = max(max(1, t.batch_tokens // n) * max(1, min(t.num_anchors, n - 1)) * b
+               for n in range(cfg.min_supervised_tokens, cfg.data.max_length + 1))
+    assert worst.block_tokens == best
+    assert worst.rows == worst.sequences * worst.anchors * (b - 1)
+
+
+def _trainer(batch, **kw):
+    dims = DrafterDims(hidden_size=256, intermediate_size=768, num_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=64, context_layers=3, vocab_size=16384, block_size=16)
+    args = {"bf16": False, "flex": False, "chunk_rows": 1024, "tied_head": False, "foreach": False, **kw}
+    return dims, trainer_memory(dims, batch, **args)
+
+
+def test_trainer_parts():
+    batch = train_batch(2, 256, 64, 16)
+    dims, est = _trainer(batch)
+    p = dims.num_parameters
+    parts = est.parts
+    assert (parts["drafter_parameters"], parts["gradients"], parts["optimizer_states"]) == (4 * p, 4 * p, 8 * p)
+    assert parts["target_embedding_lm_head"] == 2 * 16384 * 256 * 4 and parts["autocast_weight_copies"] == 0
+    assert parts["loss_working_set"] == 1024 * 16384 * 4 + 4 * batch.rows * 256
+    assert est.total == max(est.phases.values()) == est.phases["backward"]
+    # bf16 autocast: bf16 head, bf16 copies of the linear weights; flex drops the dense mask from the batch.
+    _, bf16 = _trainer(batch, bf16=True, flex=True, tied_head=True, foreach=True)
+    assert bf16.parts["target_embedding_lm_head"] == 16384 * 256 * 2
+    assert bf16.parts["autocast_weight_copies"] == 2 * dims.linear_parameters
+    assert bf16.parts["loss_working_set"] == 1024 * 16384 * 6 + 4 * batch.rows * 256
+    assert bf16.parts["batch"] < parts["batch"] and bf16.parts["optimizer_step_buffers"] == 12 * p
+    # The chunked loss's working set does not grow with rows; the unchunked one does, per row and vocab entry.
+    big = train_batch(8, 512, 128, 16)
+    assert _trainer(big)[1].parts["loss_working_set"] - parts["loss_working_set"] == 4 * (big.rows - batch.rows) * 256
+    unchunked = _trainer(big, chunk_rows=None)[1].parts["loss_working_set"]
+    assert unchunked >= big.rows * 16384 * 8
+
+
+def test_saved_activations_match_what_autograd_keeps():
+    """The per-layer byte counts are what the real drafter saves for backward (float32, SDPA), counted with
+    saved-tensor hooks, within 5 %."""
+    from dflash_stream.bench.memory import DRAFTER, _drafter_parts
+
+    batch = train_batch(2, 128, 32, DRAFTER["block_size"])
+    dims, est = _trainer(batch, chunk_rows=256)
+    drafter, head, _, _ = _drafter_parts(DRAFTER, torch.device("cpu"))
+    params = {p.untyped_storage().data_ptr() for p in [*drafter.parameters(), *head.parameters()]}
+    from dflash_stream.drafter import dflash_loss
+
+    g = torch.Generator().manual_seed(0)
+    data = {"hidden_states": torch.randn(2, 128, 3 * 256, generator=g).to(torch.bfloat16),
+            "input_ids": torch.randint(0, 16384, (2, 128), generator=g),
+            "loss_mask": torch.ones(2, 128, dtype=torch.bool), "lengths": torch.full((2,), 128)}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        dflash_loss(drafter, head, data, num_anchors=32, gamma=7.0, chunk_rows=256)
+    assert est.parts["activations"] == pytest.approx(sum(saved.values()), rel=0.05)
+
+
+# ------------------------------------------------------------------------------------------- launch, split
+
+
+def test_launch_files_are_read():
+    assert read_launch(str(ROOT / "launch" / "4gpu.yaml"), None)["num_processes"] == 4
+    two_nodes = read_launch(str(ROOT / "launch" / "2node-node0.yaml"), None)
+    assert (two_nodes["num_processes"], two_nodes["num_machines"], two_nodes["processes_per_machine"]) == (16, 2, 8)
+    assert read_launch(None, 3)["num_processes"] == 3 and read_launch(None, None)["num_processes"] == 1
+    assert "one process" in read_launch(None, None)["source"]
+
+
+def test_bad_launch_files_are_refused(tmp_path):
+    with pytest.raises(ConfigError, match="--launch"):
+        read_launch(str(tmp_path / "missing.yaml"), None)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("num_processes: 3\nnum_machines: 2\n")
+    with pytest.raises(ConfigError, match="multiple of num_machines"):
+        read_launch(str(bad), None)
+
+
+def test_split_rule():
+    """The slower role sets the pace; each role's work divides over its processes; ties take fewer trainers."""
+    alts = split_alternatives(4, extract_seconds=300.0, train_seconds=600.0)
+    assert [(a["extractors"], a["trainers"]) for a in alts] == [(3, 1), (2, 2), (1, 3)]
+    assert [a["wall_seconds"] for a in alts] == [600.0, 300.0, 300.0]
+    assert best_split(alts)["trainers"] == 2
+    assert best_split(split_alternatives(8, 100.0, 700.0))["trainers"] == 7
+    assert best_split(split_alternatives(8, 700.0, 100.0))["trainers"] == 1
+    # Every split is no faster than the one chosen.
+    for extract, train in ((1.0, 9.0), (5.0, 5.0), (9.0, 1.0), (3.0, 7.0)):
+        alts = split_alternatives(6, extract, train)
+        assert best_split(alts)["wall_seconds"] == min(a["wall_seconds"] for a in alts)
+
+
+def test_plan_auto_split_and_a_fixed_one(tmp_path):
+    auto = build_plan(load_config(_config(tmp_path, roles={"trainers": "auto"})), launch_file=str(ROOT / "launch" / "8gpu.yaml"))
+    roles = auto["roles"]
+    assert auto["launch"]["num_processes"] == 8 and len(roles["alternatives"]) == 7
+    assert roles["wall_seconds"] == min(a["wall_seconds"] for a in roles["alternatives"])
+    assert roles["extractors"] + roles["trainers"] == 8 and "auto" in roles["chosen_by"]
+    assert auto["time"]["total_seconds"] == pytest.approx(roles["wall_seconds"])
+    worst = max(roles["alternatives"], key=lambda a: a["wall_seconds"])
+    fixed = build_plan(load_config(_config(tmp_path, roles={"trainers": worst["trainers"]})), processes=8)
+    assert fixed["roles"]["trainers"] == worst["trainers"]
+    assert any("would be faster" in w and "roles.trainers: auto" in w for w in fixed["warnings"])
+    with pytest.raises(ConfigError, match="leaves no extractor"):
+        build_plan(load_config(_config(tmp_path, roles={"trainers": 8})), processes=8)
+
+
+def test_resolve_trainers(tmp_path, monkeypatch):
+    from dflash_stream.pipeline.roles import resolve_launch, resolve_trainers
+    from dflash_stream.rundir import RunDir
+
+    cfg = load_config(_config(tmp_path, roles={"trainers": "auto"}))
+    assert resolve_trainers(cfg, 2)[0] == 1
+    planned = build_plan(cfg, processes=4)["roles"]["trainers"]
+    trainers, why = resolve_trainers(cfg, 4)
+    assert trainers == planned and "shortest estimated wall time" in why
+    # A resumed run keeps the trainer count its checkpoint was written with.
+    step = RunDir(cfg.output_dir).checkpoint(10)
+    step.mkdir(parents=True)
+    for name in ("trainer-0.pt", "trainer-1.pt", "trainer-2.pt", "COMPLETE"):
+        (step / name).write_text("")
+    assert resolve_trainers(cfg, 4) == (3, "roles.trainers: auto; resuming step-10, which 3 trainer(s) wrote")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert "resuming" in resolve_launch(cfg) and cfg.roles.trainers == 3 and cfg.roles.split(4) == (1, 3)
+
+
+# ------------------------------------------------------------------------------------------- plan output
+
+
+def test_plan_json_contract_for_the_headline_job(capsys):
+    """configs/qwen3.6-27b-4gpu.yaml on launch/4gpu.yaml at 96 GB: both roles fit, the chosen split is the
+    fastest, regeneration is estimated."""
+    args = ["plan", "--config", str(HEADLINE), "--launch", str(ROOT / "launch" / "4gpu.yaml"),
+            "--gpu-memory", "96GB", "--json"]
+    assert main(args) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["launch"]["num_processes"] == 4
+    mem = plan["memory"]
+    assert mem["device_bytes"] == 96 * GB
+    for role in ("extractor", "trainer"):
+        assert mem[role]["fits"] is True and 0 < mem[role]["total_bytes"] <= mem["usable_bytes"]
+        assert all(isinstance(v, int) for v in mem[role]["parts"].values())
+    assert {"drafter_parameters", "optimizer_states", "activations", "loss_working_set",
+            "target_embedding_lm_head"} <= set(mem["trainer"]["parts"])
+    assert {"target_weights", "forward_activations", "captured_states", "regeneration_kv_cache"} <= set(
+        mem["extractor"]["parts"])
+    assert mem["extractor"]["parts"]["target_weights"] == 54 * GB
+    roles = plan["roles"]
+    assert roles["extractors"] + roles["trainers"] == 4
+    assert [(a["extractors"], a["trainers"]) for a in roles["alternatives"]] == [(3, 1), (2, 2), (1, 3)]
+    assert roles["wall_seconds"] == min(a["wall_seconds"] for a in roles["alternatives"])
+    assert plan["time"]["regenerate_seconds"] > 0
+    assert plan["time"]["total_seconds"] == pytest.approx(roles["wall_seconds"])
+
+
+def test_overrides_change_the_trainers_memory_and_a_misfit_names_its_knob(capsys):
+    base = ["plan", "--config", str(HEADLINE), "--launch", str(ROOT / "launch" / "4gpu.yaml"), "--gpu-memory", "96GB",
+            "--samples", "914000"]
+    assert main([*base, "--json"]) == 0
+    small = json.loads(capsys.readouterr().out)["memory"]["trainer"]
+    assert main([*base, "--json", "--train.batch_tokens=49152"]) == 0
+    big = json.loads(capsys.readouterr().out)["memory"]["trainer"]
+    assert big["total_bytes"] > 10 * small["total_bytes"] and big["fits"] is False
+    assert big["parts"]["drafter_parameters"] == small["parts"]["drafter_parameters"]
+    assert "train.batch_tokens" in big["knob"]
+    assert main([*base, "--train.batch_tokens=49152"]) == 0
+    page = capsys.readouterr().out
+    assert "DOES NOT FIT: lower train.batch_tokens (fits at <= " in page
+    assert main([*base, "--json", "--data.generation.batch_size=64"]) == 0
+    extractor = json.loads(capsys.readouterr().out)["memory"]["extractor"]
+    assert extractor["fits"] is False and "data.generation.batch_size" in extractor["knob"]
+
+
+def test_plan_text_shows_memory_roles_and_regeneration(capsys):
+    assert main(["plan", "--config", str(HEADLINE), "--launch", str(ROOT / "launch" / "4gpu.yaml"),
+                 "--samples", "914000"]) == 0
+    page = capsys.readouterr().out
+    assert "device 89.4 GiB [roles.device_memory]" in page  # the config's 96GB
+    assert "(shortest)" in page and "->" in page and "regeneration on the extractors" in page
+    assert "prompt/response split" in page and "TB/s" in page
+
+
+def test_default_device_is_80gb_class(tmp_path):
+    plan = build_plan(load_config(_config(tmp_path)), processes=2)
+    assert plan["memory"]["device_bytes"] == 80 * 2**30 and "80 GB-class" in plan["memory"]["device_source"]
+
+
+def test_run_startup_check_refuses_or_warns(tmp_path):
+    cfg = load_config(_config(tmp_path, train={"batch_tokens": 2048}))
+    # On a device smaller than the trainer's estimate: refused, naming the knob.
+    with pytest.raises(DFlashError, match="train.batch_tokens"):
+        startup_check(cfg, "trainer", 50 * GB)
+    trainer = build_plan(cfg, processes=2, gpu_memory=1000 * GB)["memory"]["trainer"]["total_bytes"]
+    # Between the usable share and the whole device: a warning line with the knob.
+    warning = startup_check(cfg, "trainer", int(trainer / 0.95))
+    assert warning and "train.batch_tokens" in warning
+    assert startup_check(cfg, "trainer", 4 * trainer) is None
+
+
+def test_gpu_memory_flag_is_validated(capsys):
+    assert main(["plan", "--config", str(HEADLINE), "--gpu-memory", "lots"]) == 2
+    assert "--gpu-memory" in capsys.readouterr().err
