@@ -8,12 +8,12 @@ runs on another host), `crashed` (no live process behind the ranks' `start` even
 from __future__ import annotations
 
 import json
-import os
 import socket
 import time
 from pathlib import Path
 from typing import Any
 
+import psutil
 import yaml
 
 from dflash_stream.observe.metrics import read_metrics
@@ -23,15 +23,6 @@ from dflash_stream.rundir import RunDir, checkpoint_step
 
 STALE_AFTER_S = 120.0  # a rank silent this long, whose process cannot be checked, is presumed stopped
 
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # exists, owned by someone else
-        return True
-    return True
 
 
 def _ranks(events: list[dict[str, Any]], now: float) -> list[dict[str, Any]]:
@@ -48,7 +39,7 @@ def _ranks(events: list[dict[str, Any]], now: float) -> list[dict[str, Any]]:
     for r in ranks.values():
         r["silent_s"] = now - r["last_time"]
         # A pid can only be checked on its own host; elsewhere, silence is the only evidence.
-        r["alive"] = _pid_alive(r["pid"]) if r["pid"] and r["host"] == here and not r["ended"] else None
+        r["alive"] = psutil.pid_exists(r["pid"]) if r["pid"] and r["host"] == here and not r["ended"] else None
     return sorted(ranks.values(), key=lambda r: (r["role"], r["rank"]))
 
 

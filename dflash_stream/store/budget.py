@@ -13,6 +13,8 @@ import socket
 import time
 from pathlib import Path
 
+import psutil
+
 SLACK_BLOCKS = 32
 """Blocks kept free for metadata that appears between two measurements (marker files, directory growth)."""
 STALE_LOCK_SECONDS = 60.0
@@ -82,7 +84,7 @@ class DirLock:
             host, _, pid = holder.rpartition(".")
             if host == socket.gethostname() and pid.isdigit():
                 # Judged by its pid alone, so that a jump of this host's clock cannot break a live lock.
-                return not _alive(int(pid))
+                return not psutil.pid_exists(int(pid))
         if age > STALE_LOCK_SECONDS:
             return True
         # A holder that died between mkdir and naming itself leaves an empty lock.
@@ -97,12 +99,3 @@ class DirLock:
             return
         shutil.rmtree(aside, ignore_errors=True)
 
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

@@ -16,6 +16,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 from dflash_stream.rundir import write_atomic
 
 HEARTBEAT_SECONDS = 5.0
@@ -60,17 +62,6 @@ class Heartbeat:
         self.path.unlink(missing_ok=True)
 
 
-def _pid_alive(pid: int | None) -> bool:
-    if not pid:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # exists, owned by someone else
-        return True
-    return True
-
 
 def read_heartbeats(writers_dir: Path, now: float | None = None) -> dict[str, dict[str, Any]]:
     """writer id -> {age_s, alive, finished, host, pid} for every writer that ever beat here."""
@@ -91,7 +82,7 @@ def read_heartbeats(writers_dir: Path, now: float | None = None) -> dict[str, di
         age = max(0.0, now - beat["time"])
         finished = (writers_dir / f"{writer}.finished").exists()
         # On this host a dead pid settles it at once (a kill -9 leaves a fresh-looking file behind).
-        gone = beat.get("host") == socket.gethostname() and not _pid_alive(beat.get("pid"))
+        gone = beat.get("host") == socket.gethostname() and not (beat.get("pid") and psutil.pid_exists(beat["pid"]))
         out[writer] = {"age_s": age, "alive": age < STALE_SECONDS and not finished and not gone,
                        "finished": finished, "host": beat.get("host"), "pid": beat.get("pid")}
     return out

@@ -28,6 +28,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 from dflash_stream.log import get_logger
 from dflash_stream.store.errors import StoreError
 
@@ -65,15 +67,6 @@ def _same(holder: dict[str, Any], me: dict[str, Any]) -> bool:
     return all(holder.get(k) == me[k] for k in ("host", "boot", "pid", "start"))
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
 
 def _read(path: Path) -> dict[str, Any] | None:
     try:
@@ -100,7 +93,7 @@ def _why_stale(holder: dict[str, Any], age: float) -> str | None:
         if holder.get("boot") != me["boot"]:
             return "this host has rebooted since"
         pid = int(holder.get("pid", -1))
-        if not _alive(pid):
+        if not psutil.pid_exists(pid):
             return f"process {pid} is gone"
         if holder.get("start") and _start_time(pid) != holder["start"]:
             return f"pid {pid} now names another process"
