@@ -4,7 +4,6 @@ gradients unchanged, and the count of compiled graphs."""
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 import pytest
 import torch
@@ -13,23 +12,16 @@ from dflash_stream.config import ConfigError, config_from_dict
 from dflash_stream.drafter import DFlashDrafter, DrafterSpec, TargetHead, batches, dflash_loss
 from dflash_stream.drafter.batches import TokenBatcher, collate
 from dflash_stream.drafter.shapes import CompileWatch, ShapePlan, default_buckets
+from dflash_stream.store.segment import StoredSample
 
 
-@dataclass
-class _Sample:
-    sample_id: int
-    input_ids: torch.Tensor
-    loss_mask: torch.Tensor
-    hidden_states: torch.Tensor
-
-
-def _samples(lengths: list[int], start: int = 0, width: int = 8, seed: int = 0) -> list[_Sample]:
+def _samples(lengths: list[int], start: int = 0, width: int = 8, seed: int = 0) -> list[StoredSample]:
     g = torch.Generator().manual_seed(seed)
     out = []
     for i, n in enumerate(lengths):
         mask = torch.zeros(n, dtype=torch.bool)
         mask[n // 3:] = True  # a prompt, then the supervised response
-        out.append(_Sample(start + i, torch.randint(1, 99, (n,), generator=g), mask,
+        out.append(StoredSample(start + i, torch.randint(1, 99, (n,), generator=g), mask,
                            torch.randn(n, width, generator=g)))
     return out
 

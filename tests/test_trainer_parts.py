@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 
 import pytest
 import torch
@@ -12,19 +11,12 @@ from dflash_stream.drafter.batches import TokenBatcher, collate
 from dflash_stream.drafter.shapes import ShapePlan
 from dflash_stream.pipeline import checkpoint as ckpt
 from dflash_stream.pipeline.trainer import WarmupCosine
+from dflash_stream.store.segment import StoredSample
 
 
-@dataclass
-class _Sample:
-    sample_id: int
-    input_ids: torch.Tensor
-    loss_mask: torch.Tensor
-    hidden_states: torch.Tensor
-
-
-def _samples(lengths: list[int], start: int = 0, width: int = 8) -> list[_Sample]:
+def _samples(lengths: list[int], start: int = 0, width: int = 8) -> list[StoredSample]:
     return [
-        _Sample(start + i, torch.arange(n) + 1, torch.ones(n, dtype=torch.bool), torch.randn(n, width).bfloat16())
+        StoredSample(start + i, torch.arange(n) + 1, torch.ones(n, dtype=torch.bool), torch.randn(n, width).bfloat16())
         for i, n in enumerate(lengths)
     ]
 

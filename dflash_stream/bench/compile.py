@@ -23,7 +23,7 @@ import json
 import os
 import tempfile
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -33,6 +33,7 @@ import torch._dynamo
 from dflash_stream.config import Config, config_from_dict, load_config
 from dflash_stream.drafter.batches import Member, TokenBatcher, collate
 from dflash_stream.drafter.shapes import CompileWatch, Shape, ShapePlan
+from dflash_stream.store.segment import StoredSample
 
 HEAD_ROWS = 1024
 WINDOW_SEGMENTS = 4  # as the extractor's length-sorted windows
@@ -47,15 +48,7 @@ def register_bench(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=bench_compile)
 
 
-@dataclass
-class _Sample:
-    sample_id: int
-    input_ids: torch.Tensor
-    loss_mask: torch.Tensor
-    hidden_states: torch.Tensor
-
-
-def demo_samples(cfg: Config, tokenizer) -> list[_Sample]:  # noqa: ANN001 - a transformers tokenizer
+def demo_samples(cfg: Config, tokenizer) -> list[StoredSample]:  # noqa: ANN001 - a transformers tokenizer
     """The config's rows as samples (ids, loss mask) with their own responses; no states yet."""
     from dflash_stream.data import prepare_shard
 
@@ -63,11 +56,11 @@ def demo_samples(cfg: Config, tokenizer) -> list[_Sample]:  # noqa: ANN001 - a t
         tree = cfg.model_dump(mode="json")
         tree["output_dir"], tree["data"]["regenerate"] = out, False
         prepared, _ = prepare_shard(config_from_dict(tree), tokenizer, 0, 1)
-    return [_Sample(s.sample_id, torch.from_numpy(s.input_ids.astype(np.int64)), torch.from_numpy(s.loss_mask),
+    return [StoredSample(s.sample_id, torch.from_numpy(s.input_ids.astype(np.int64)), torch.from_numpy(s.loss_mask),
                     torch.empty(0)) for s in prepared]
 
 
-def headline_lengths(count: int, max_length: int, min_supervised: int, seed: int = 0) -> list[_Sample]:
+def headline_lengths(count: int, max_length: int, min_supervised: int, seed: int = 0) -> list[StoredSample]:
     """A stream like the headline job's (stated, not measured): prompts lognormal with median 300 tokens and
     sigma 1.0, regenerated responses lognormal with median 600 and sigma 0.8 capped at 2,048 new tokens, cut to
     max_length; mean ~1.2k tokens a sample. Only lengths and loss masks are made."""
@@ -81,11 +74,11 @@ def headline_lengths(count: int, max_length: int, min_supervised: int, seed: int
             continue
         mask = torch.zeros(length, dtype=torch.bool)
         mask[prompt:] = True
-        out.append(_Sample(len(out), torch.zeros(length, dtype=torch.long), mask, torch.empty(0)))
+        out.append(StoredSample(len(out), torch.zeros(length, dtype=torch.long), mask, torch.empty(0)))
     return out
 
 
-def segments(samples: list[_Sample], segment_tokens: int) -> list[list[_Sample]]:
+def segments(samples: list[StoredSample], segment_tokens: int) -> list[list[StoredSample]]:
     """Segments as the extractor writes them: windows of WINDOW_SEGMENTS segments sorted longest first."""
     out, window = [], []
     for i, sample in enumerate(samples):
@@ -105,7 +98,7 @@ def segments(samples: list[_Sample], segment_tokens: int) -> list[list[_Sample]]
     return out
 
 
-def bucketed(plan: ShapePlan, segs: list[list[_Sample]], min_batches: int) -> list[tuple[list[Member], Shape]]:
+def bucketed(plan: ShapePlan, segs: list[list[StoredSample]], min_batches: int) -> list[tuple[list[Member], Shape]]:
     """Batches of the real TokenBatcher, fed segment by segment as a trainer whose reader keeps up feeds it,
     pass after pass (the epochs of store.reuse), until at least `min_batches`; then the end of data."""
     batcher, out = TokenBatcher(plan), []
@@ -120,7 +113,7 @@ def bucketed(plan: ShapePlan, segs: list[list[_Sample]], min_batches: int) -> li
     return out
 
 
-def per_batch(batch_tokens: int, segs: list[list[_Sample]], passes: int) -> list[list[_Sample]]:
+def per_batch(batch_tokens: int, segs: list[list[StoredSample]], passes: int) -> list[list[StoredSample]]:
     """Today's batches: arrival order (each segment shortest first), each within batch_tokens counting its own
     longest: the baseline."""
     out, current = [], []
@@ -135,7 +128,7 @@ def per_batch(batch_tokens: int, segs: list[list[_Sample]], passes: int) -> list
     return [*out, current] if current else out
 
 
-def _real_blocks(sample: _Sample, num_anchors: int) -> int:
+def _real_blocks(sample: StoredSample, num_anchors: int) -> int:
     mask = sample.loss_mask
     return min(num_anchors, int((mask[:-1] & mask[1:]).sum()))
 
@@ -147,7 +140,7 @@ def waste(batches: list[tuple[list[int], list[int], Shape]], block_size: int) ->
     return round(done / real - 1, 3)
 
 
-def wastes(cfg: Config, samples: list[_Sample], segment_tokens: int, min_batches: int) -> dict:
+def wastes(cfg: Config, samples: list[StoredSample], segment_tokens: int, min_batches: int) -> dict:
     """padding_waste of the bucketed shapes and of today's per-batch shapes over the same stream."""
     tc, bs = cfg.train, cfg.drafter.block_size
     plan = ShapePlan.from_config(cfg)
