@@ -116,3 +116,21 @@ if __name__ == "__main__":
         mark = "   <-- UP" if _layer(target) > _layer(source) else ""
         print(f"{source:>13} -> {target:<13} ({count} import{'s' if count > 1 else ''}){mark}")
     sys.exit(1 if upward_imports(import_graph()) else 0)
+
+
+def test_cheap_commands_do_not_import_torch(tmp_path):
+    """`store status`, `status`, `audit` and `plan` start in a fraction of a second: none of them imports torch."""
+    import subprocess
+    import sys
+
+    from dflash_stream.store.store import Store
+
+    Store.open(tmp_path / "store", budget=10**8, codec="lossless", reuse=1,
+               fingerprint={"layer_ids": [1, 2], "hidden_size": 64}, max_segment_raw_bytes=10**6)
+    config = Path(__file__).resolve().parents[1] / "configs" / "qwen3.6-27b-4gpu.yaml"
+    for argv in (["store", "status", str(tmp_path / "store")], ["status", str(tmp_path)], ["audit", str(tmp_path)],
+                 ["plan", "--config", str(config)]):
+        code = ("import sys\nfrom dflash_stream.cli import main\nmain(" + repr(argv) + ")\n"
+                "print('TORCH' if 'torch' in sys.modules else 'NO TORCH')")
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120).stdout
+        assert out.strip().endswith("NO TORCH"), (argv, out[-500:])

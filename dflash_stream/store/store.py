@@ -11,7 +11,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dflash_stream import diskfull
 from dflash_stream.log import get_logger
@@ -27,16 +27,10 @@ from dflash_stream.store.errors import (
     StoreFull,
 )
 from dflash_stream.store.heartbeat import Heartbeat, read_heartbeats
-from dflash_stream.store.segment import (
-    FORMAT,
-    Sample,
-    StoredSample,
-    check_samples,
-    encode_segment,
-    files_bound,
-    read_segment,
-    write_files,
-)
+
+# segment.py (torch, zarr) is imported where segments are coded, so `store status` starts without torch.
+if TYPE_CHECKING:
+    from dflash_stream.store.segment import Sample, StoredSample
 
 log = get_logger("store")
 DIRS = ("segments", "tmp", "info", "ready", "claimed", "done", "writers", "budget", "budget/reserved", "budget/waiting",
@@ -141,6 +135,8 @@ class Store:
         elif not path.is_dir():
             raise StoreError(f"store path {path} exists and is not a directory")
         _probe_writable(path)
+        from dflash_stream.store.segment import FORMAT
+
         requested = {"format": FORMAT, "fingerprint": fingerprint, "codec": codec, "reuse": reuse, "width": width}
         manifest = _create_or_read_manifest(path, {**requested, "budget": budget}, create)
         manifest = _check_fingerprint(path, manifest, requested, create)
@@ -382,6 +378,8 @@ class Store:
 
     def verify(self) -> dict[str, Any]:
         """Read every live segment and check every chunk's checksum; changes nothing."""
+        from dflash_stream.store.segment import read_segment
+
         segments, damaged = sorted(self._ls("segments")), []
         for seg in segments:
             try:
@@ -433,6 +431,8 @@ class SegmentWriter:
     def write(self, samples: list[Sample], pass_index: int = 0, block: bool = True, first_use: int = 0,
               replaces: str | None = None) -> SegmentInfo:
         """`first_use` and `replaces` (a tag from `Store.redo_requests`) write a damaged segment's samples again."""
+        from dflash_stream.store.segment import check_samples, encode_segment, files_bound, write_files
+
         st = self.store
         tokens = check_samples(samples, st.width)
         raw = sizes.raw_bytes(tokens, len(samples), st.width)
@@ -591,6 +591,8 @@ class SegmentConsumer:
             delay = min(delay * 2, POLL_SECONDS[1])
 
     def read(self, claim: Claim) -> list[StoredSample]:
+        from dflash_stream.store.segment import read_segment
+
         return read_segment(claim.segment_id, self.store.path / "segments" / claim.segment_id)
 
     def release(self, claims: list[Claim]) -> None:
