@@ -42,6 +42,7 @@ BENCHES = {
     "compile": "dflash_stream.bench.compile",
     "memory": "dflash_stream.bench.memory",
     "gpu": "dflash_stream.bench.gpu",
+    "quality": "dflash_stream.bench.quality",
 }
 
 

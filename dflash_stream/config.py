@@ -106,6 +106,10 @@ class ExtractConfig(Section):
     """Batches waiting for device-to-host copy and encoding before the forward loop waits."""
     tokens_per_s: float | None = Field(None, gt=0)
     """For `plan`: one extractor's throughput, when known from an earlier run."""
+    from_store: str | None = None
+    """A kept store (extracted with the same target, layers and data, and never trained from) whose samples are
+    written into store.path instead of running the target: train again with another budget, codec or epoch
+    order from states extracted once (`pipeline/replay.py`)."""
 
 
 class StoreConfig(Section):

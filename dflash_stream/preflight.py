@@ -49,3 +49,9 @@ def check_run_paths(cfg: Config, data: bool = True) -> None:
             raise ConfigError(f"data.sources[{i}].path: '{source.path}' not found (no such file or folder)")
     probe_writable(cfg.output_dir, "output_dir")
     probe_writable(cfg.store.path, "store.path")
+    source = cfg.extract.from_store
+    if source is not None:
+        if not (Path(source).expanduser() / "store.json").is_file():
+            raise ConfigError(f"extract.from_store: no store at '{source}' (store.json is missing)")
+        if Path(source).expanduser().resolve() == Path(cfg.store.path).expanduser().resolve():
+            raise ConfigError("extract.from_store: must be another store than store.path (it is only read)")

@@ -196,3 +196,14 @@ def test_plan_counts_rows_like_the_data_loader(tmp_path: Path) -> None:
             "store": {"path": str(tmp_path / "store"), "budget": "10GiB"}}
     plan = build_plan(load_config(_config(tmp_path, tree)))
     assert plan["data"]["samples"] == 3 + 2 + 4 + 6
+
+
+def test_plan_warns_when_the_reuse_window_is_below_what_bench_quality_found_good():
+    from dflash_stream.config import load_config
+    from dflash_stream.observe.plan import REUSE_WINDOW_MEASURED, build_plan
+
+    plan = build_plan(load_config("configs/qwen3.6-27b-4gpu.yaml"))
+    assert plan["buffer"]["window_fraction"] < REUSE_WINDOW_MEASURED
+    assert any("epoch_source=reextract" in w and "bench quality" in w for w in plan["warnings"])
+    roomy = build_plan(load_config("configs/qwen3.6-27b-4gpu.yaml", ["--train.epoch_source=reextract"]))
+    assert not any("bench quality" in w for w in roomy["warnings"])

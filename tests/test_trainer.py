@@ -303,6 +303,28 @@ def test_until_idle_trains_what_is_ready_releases_it_and_returns(tmp_path, targe
     assert all(e["lr"] > 0 for e in read_metrics(cfg.output_dir) if e["event"] == "train")
 
 
+def test_segments_smaller_than_a_batch_still_make_full_batches(tmp_path, target_dir, samples):
+    """One sample per segment: the trainer waits for the segments being decoded instead of cutting a batch of
+    whatever happens to be decoded already, so it takes about as many steps as the batcher cuts from all the
+    samples at once (not one per segment or two)."""
+    from dflash_stream.drafter.batches import TokenBatcher
+    from dflash_stream.drafter.shapes import ShapePlan
+
+    cfg = make_config(tmp_path, target_dir, epochs=1)
+    fill_store(cfg, samples[:24], per_segment=1)
+    write_data_report(cfg, samples[:24])
+    batcher = TokenBatcher(ShapePlan.from_config(cfg))
+    batcher.add("all", samples[:24])
+    fewest = 0
+    while batcher.next_batch():
+        fewest += 1
+    trainer = new_trainer(cfg)
+    assert trainer.run() is True
+    trainer.close()
+    assert trainer.samples_trained == 24
+    assert trainer.steps <= fewest + 3 < 20
+
+
 def test_a_blocked_extractor_makes_the_trainer_checkpoint_and_release(tmp_path, target_dir, samples):
     """A buffer too small for the data: the writer blocks on the budget, and the trainer, which still has
     segments to train, must checkpoint and release the finished ones rather than wait for its next

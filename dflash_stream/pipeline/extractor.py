@@ -33,9 +33,10 @@ from dflash_stream.pipeline.common import (
     store_layout,
 )
 from dflash_stream.pipeline.guard import hold_output, stop_with_launcher
+from dflash_stream.pipeline.packing import SegmentPacker
 from dflash_stream.pipeline.roles import RoleInfo, assign_uniform
 from dflash_stream.preflight import check_run_paths
-from dflash_stream.store import Sample, Store, StoreFull, lease, sizes
+from dflash_stream.store import Sample, Store, lease, sizes
 from dflash_stream.target_model import load_target, resolve_device, resolve_layer_ids, text_config
 from dflash_stream.target_model.capture import LayerCapture
 from dflash_stream.target_model.host_copy import HostCopier
@@ -45,6 +46,15 @@ log = get_logger(__name__)
 
 WINDOW_SEGMENTS = 4
 """Segments' worth of samples sorted by length together."""
+
+
+def pass_order(items: list, seed: int, pass_index: int) -> list:
+    """The order of a pass: the data's own for the first, a fresh seeded shuffle for each later one (so that
+    extracting every epoch anew, `train.epoch_source: reextract`, reshuffles the whole data every epoch). The same
+    for every run of the same config, so a resumed pass extracts what it lacks in the same order."""
+    if pass_index == 0:
+        return list(items)
+    return [items[i] for i in np.random.default_rng([seed, pass_index]).permutation(len(items))]
 
 
 class NonFiniteStates(DFlashError):
@@ -69,27 +79,16 @@ _STOP = object()
 
 
 class _SegmentSink:
-    """The background side: host copies, checks, segment packing and store writes."""
+    """The background side: host copies, checks, and the packer's segment writes."""
 
-    def __init__(self, writer, segment_bytes: int, width: int, queue_size: int, on_segment) -> None:
-        self.writer, self.segment_bytes, self.width = writer, segment_bytes, width
-        self.on_segment = on_segment
+    def __init__(self, packer: SegmentPacker, queue_size: int) -> None:
+        self.packer = packer
         self.queue: queue.Queue = queue.Queue(maxsize=queue_size)
-        self.pending: list[Sample] = []
-        self.pending_pass = 0
-        self.pending_tokens = 0
-        self.refused: list[tuple[int, list[Sample]]] = []
-        """Segments a full buffer turned away (non-blocking mode), written first on the next run."""
-        self.non_blocking = False
         self.error: BaseException | None = None
         self._thread: threading.Thread | None = None
 
-    @property
-    def full(self) -> bool:
-        return bool(self.refused)
-
     def start(self, non_blocking: bool) -> None:
-        self.non_blocking, self.error = non_blocking, None
+        self.packer.non_blocking, self.error = non_blocking, None
         self._thread = threading.Thread(target=self._loop, name="extract-sink", daemon=True)
         self._thread.start()
 
@@ -106,7 +105,7 @@ class _SegmentSink:
                 continue
 
     def stop(self) -> None:
-        """Let the sink finish what is queued and end; what it could not write stays in `refused`/`pending`."""
+        """Let the sink finish what is queued and end; what it could not write stays with the packer."""
         if self._thread is None:
             return
         if self.error is None:
@@ -116,23 +115,11 @@ class _SegmentSink:
         if self.error is not None:
             raise self.error
 
-    def retry_refused(self) -> bool:
-        """Write the segments a full buffer refused earlier; False while it is still full."""
-        while self.refused:
-            pass_index, samples = self.refused[0]
-            try:
-                self.writer.write(samples, pass_index=pass_index, block=False)
-            except StoreFull:
-                return False
-            self.refused.pop(0)
-            self.on_segment(samples)
-        return True
-
     def _loop(self) -> None:
         try:
             while (item := self.queue.get()) is not _STOP:
                 if isinstance(item, _EndOfPass):
-                    self._flush()
+                    self.packer.flush()
                 else:
                     self._take(item)
         except BaseException as err:  # handed to the forward loop, which re-raises it
@@ -147,31 +134,7 @@ class _SegmentSink:
             if not torch.isfinite(states).all():
                 raise NonFiniteStates(f"sample {sample.sample_id} ({sample.origin}): the target produced NaN/Inf "
                                       "hidden states; check target.dtype (float16 overflows on many models)")
-            self._add(item.pass_index, Sample(sample.sample_id, sample.input_ids, sample.loss_mask, states))
-
-    def _add(self, pass_index: int, sample: Sample) -> None:
-        tokens = self.pending_tokens + len(sample.input_ids)
-        full = sizes.raw_bytes(tokens, len(self.pending) + 1, self.width) > self.segment_bytes
-        if self.pending and (pass_index != self.pending_pass or full):
-            self._flush()
-        self.pending.append(sample)
-        self.pending_pass = pass_index
-        self.pending_tokens += len(sample.input_ids)
-
-    def _flush(self) -> None:
-        if not self.pending:
-            return
-        samples, pass_index = self.pending, self.pending_pass
-        self.pending, self.pending_tokens = [], 0
-        if self.refused:  # keep segments in order behind the one the buffer refused
-            self.refused.append((pass_index, samples))
-            return
-        try:
-            self.writer.write(samples, pass_index=pass_index, block=not self.non_blocking)
-        except StoreFull:
-            self.refused.append((pass_index, samples))
-            return
-        self.on_segment(samples)
+            self.packer.add(item.pass_index, Sample(sample.sample_id, sample.input_ids, sample.loss_mask, states))
 
 
 class Extractor:
@@ -200,8 +163,8 @@ class Extractor:
         self._generated_tokens, self._generate_seconds = 0, 0.0
         self.backpressure_seconds = self.extract_seconds = 0.0
         self.writer = store.writer(f"extractor-{role.index}")
-        self._sink = _SegmentSink(self.writer, int(cfg.store.segment_bytes), width,
-                                  cfg.extract.queue_size, self._on_segment)
+        self._packer = SegmentPacker(self.writer, int(cfg.store.segment_bytes), width, self._on_segment)
+        self._sink = _SegmentSink(self._packer, cfg.extract.queue_size)
         self._work = self._plan()
         self._bar = None
         self._run_started = 0.0
@@ -222,7 +185,7 @@ class Extractor:
             self._bar = progress(total=self.samples_total, unit="sample", desc="extract")
         self._run_started = time.perf_counter()
         try:
-            finished = self._sink.retry_refused() and self._feed(until_full)
+            finished = self._packer.retry_refused() and self._feed(until_full)
         except BaseException:
             self._bar.close()
             raise
@@ -295,7 +258,7 @@ class Extractor:
         self._sink.start(non_blocking=until_full)
         exhausted = False
         try:
-            while not self._sink.full:
+            while not self._packer.full:
                 item = next(self._work, None)
                 if item is None:
                     exhausted = True
@@ -310,7 +273,7 @@ class Extractor:
                     self._advance(len(part))
         finally:
             self._sink.stop()
-        return exhausted and not self._sink.full
+        return exhausted and not self._packer.full
 
     def _forward(self, batch: list[PreparedSample]) -> Iterator[tuple[list[PreparedSample], torch.Tensor, Any]]:
         """Capture a longest-first batch; on out-of-memory halve extract.batch_tokens and retry it in parts."""
@@ -360,7 +323,7 @@ class Extractor:
         """
         for pass_index in range(self.cfg.extraction_passes):
             held = self.store.stored_sample_ids().get(pass_index, set())
-            todo = [s for s in self.samples if s.sample_id not in held]
+            todo = [s for s in pass_order(self.samples, self.cfg.data.seed, pass_index) if s.sample_id not in held]
             if len(todo) < len(self.samples):
                 log.info("pass %d: %d samples already in the store, %d to extract",
                          pass_index, len(self.samples) - len(todo), len(todo))
@@ -482,7 +445,9 @@ def extract_command(args: argparse.Namespace) -> int:
     metrics.log("start", config=cfg.model_dump(mode="json"))
     # From before the target loads: a trainer waiting on the store sees this extractor alive.
     with store.heartbeat(f"extractor-{role.index}"):
-        extractor = Extractor(cfg, role, store, metrics, device)
+        from dflash_stream.pipeline.replay import make_extractor
+
+        extractor = make_extractor(cfg, role, store, metrics, device)
         extractor.run()
         # While a trainer runs beside this launch, stay to extract again any segment it finds damaged.
         extractor.serve_redo(lambda: not store.consumers_alive())

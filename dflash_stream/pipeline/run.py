@@ -153,10 +153,10 @@ def _extractor_fields(extractor) -> dict[str, Any]:
 
 def run_single(cfg: Config, role: RoleInfo, store, metrics: MetricsWriter, device: torch.device) -> tuple[dict, bool]:
     """One process: extract until the buffer is full, train on what is ready, release, repeat."""
-    from dflash_stream.pipeline.extractor import Extractor
+    from dflash_stream.pipeline.replay import make_extractor
     from dflash_stream.pipeline.trainer import Trainer
 
-    extractor = Extractor(cfg, role, store, metrics, device)
+    extractor = make_extractor(cfg, role, store, metrics, device)
     trainer = Trainer(cfg, role, store, metrics, device)
     rounds = 0
     while not extractor.run(until_full=True):
@@ -177,10 +177,10 @@ def run_single(cfg: Config, role: RoleInfo, store, metrics: MetricsWriter, devic
 def run_role(cfg: Config, role: RoleInfo, store, metrics: MetricsWriter, device: torch.device) -> tuple[dict, bool]:
     """(summary fields, finished): False when a trainer was stopped by a signal after its checkpoint."""
     if role.role == "extractor":
-        from dflash_stream.pipeline.extractor import Extractor
+        from dflash_stream.pipeline.replay import make_extractor
 
         with store.heartbeat(f"extractor-{role.index}"):  # from before the target loads
-            extractor = Extractor(cfg, role, store, metrics, device)
+            extractor = make_extractor(cfg, role, store, metrics, device)
             extractor.run()
             # Stay to extract again what a trainer finds damaged, until training is over.
             extractor.serve_redo(lambda: RunDir(cfg.output_dir).summary_part("trainer", 0).exists())

@@ -334,9 +334,24 @@ class Trainer:
     # ---------------------------------------------------------------- data
 
     def _next_members(self) -> list[Member]:
-        """A batch from what is queued or already decoded; never waits for the store."""
-        while not self.batcher.full_batch_ready() and self._take_segment(timeout=0):
-            pass
+        """A batch from what is queued or decoded. While a segment is on its way (being decoded, or READY),
+        wait for it rather than cut a part-filled batch: with segments smaller than a batch, not waiting made
+        most batches part-filled. Never waits when nothing is coming."""
+        while not self.batcher.full_batch_ready():
+            if self._take_segment(timeout=0):
+                continue
+            if not self.reader.data_coming():
+                break
+            started = time.perf_counter()
+            taken = self._take_segment(timeout=WAIT_POLL_SECONDS)
+            self.data_wait_seconds += time.perf_counter() - started
+            if not taken:
+                break
+        if not self.batcher.full_batch_ready() and self.position.finished_bytes():
+            # Rather than cut a part-filled batch, let the checkpoint that the loop makes for a starved rank
+            # release the finished uses held here: their next use, or the room they free for the extractors,
+            # brings the samples that fill it. With a small buffer every use round ended in part-filled batches.
+            return []
         return self.batcher.next_batch()
 
     def _take_segment(self, timeout: float | None) -> bool:

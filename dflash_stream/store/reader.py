@@ -26,6 +26,8 @@ class SegmentReader:
         self.exhausted = False
         """True once `next` has seen the end of data."""
         self._queue: queue.Queue = queue.Queue(maxsize=max(1, prefetch))
+        self._in_flight = 0  # claimed by the thread, not yet handed out by `next`
+        self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="segment-reader", daemon=True)
         self._thread.start()
@@ -47,7 +49,17 @@ class SegmentReader:
             return None
         if isinstance(item, BaseException):
             raise item
+        with self._lock:
+            self._in_flight -= 1
         return item
+
+    def data_coming(self) -> bool:
+        """A segment is being decoded for this consumer, or one is READY for it to claim: `next` with a
+        timeout will likely return it soon."""
+        with self._lock:
+            if self._in_flight:
+                return True
+        return self.consumer.has_ready()
 
     def __iter__(self) -> Iterator[tuple[Claim, list[StoredSample]]]:
         while (item := self.next()) is not None:
@@ -75,9 +87,13 @@ class SegmentReader:
                     if self.consumer.exhausted():
                         break
                     continue
+                with self._lock:
+                    self._in_flight += 1
                 try:
                     samples = self.consumer.read(claim)
                 except CorruptChunk as err:  # one bad segment must not end the run: its writer redoes it
+                    with self._lock:
+                        self._in_flight -= 1
                     self.consumer.quarantine(claim, str(err))
                     continue
                 if not self._put((claim, samples)):

@@ -617,6 +617,10 @@ class SegmentConsumer:
     def writers_waiting(self) -> bool:
         return bool(self.store._ls("budget/waiting"))
 
+    def has_ready(self) -> bool:
+        """Some segment use is READY to claim."""
+        return bool(self.store._ls("ready"))
+
     def quarantine(self, claim: Claim, reason: str, trained: Iterable[int] = ()) -> None:
         """Set a damaged segment aside instead of stopping: its writer extracts its samples again for this use
         and the later ones, so every epoch still trains each sample once. `trained`: ids of this use already

@@ -1,0 +1,38 @@
+"""`bench quality`'s plan of runs and its report: the contract's keys, the budgets, and the parity bar."""
+
+from __future__ import annotations
+
+from dflash_stream.bench.quality import STREAMED_FRACTION, _report, plan_runs
+
+
+def test_every_variant_and_sweep_point_is_planned_per_seed():
+    runs = plan_runs(["offline", "streamed", "reextract", "fp8"], seeds=2, sweep=[0.1, 0.02])
+    names = [(r.folder, r.train["epoch_source"], r.store["codec"], r.evaluate) for r in runs]
+    assert ("offline", "reextract", "lossless", True) in names and ("fp8-seed1", "reuse", "fp8", True) in names
+    assert ("window-0.02-seed1", "reuse", "lossless", False) in names
+    assert not any(r.name == "window-0.1" for r in runs)  # the 10 % point is the streamed variant itself
+    assert all(r.fraction == STREAMED_FRACTION for r in runs if r.name in ("streamed", "reextract", "fp8"))
+
+
+def _result(loss: float, tau: float | None, budget: int, dump: int) -> dict:
+    return {"loss": loss, "acc": [0.1, 0.05], "tau": tau, "budget_bytes": budget, "dump_bytes": dump,
+            "seconds": 1.0, "summary": {"steps": 10, "samples_trained": 30, "samples_extracted": 10}}
+
+
+def test_report_keeps_the_contract_keys_and_judges_parity():
+    results = {
+        "offline": [_result(6.0, 1.10, 125, 100), _result(6.1, 1.12, 125, 100)],
+        "streamed": [_result(6.05, 1.11, 10, 100), _result(6.08, 1.11, 10, 100)],
+        "window-0.02": [_result(7.0, None, 2, 100), _result(7.1, None, 2, 100)],
+    }
+    report = _report(results, ["offline", "streamed"], [0.1, 0.02], 10, 7.5, {"loss": 30.0}, 2, 10, 4, 0.0)
+    streamed = report["variants"]["streamed"]
+    for key in ("heldout_loss", "heldout_loss_spread", "acc", "tau", "tau_spread", "steps", "budget_bytes",
+                "dump_bytes"):
+        assert key in streamed
+    assert streamed["budget_bytes"] <= 0.1 * streamed["dump_bytes"]
+    assert abs(streamed["heldout_loss"] - 6.065) < 1e-9 and abs(streamed["heldout_loss_spread"] - 0.03) < 1e-9
+    assert report["parity"]["streamed"]["loss_within"] and report["parity"]["streamed"]["tau_within"]
+    sweep = {round(w["budget_fraction"], 2): w for w in report["window_sweep"]}
+    assert sweep[0.02]["within_offline"] is False and sweep[0.1]["within_offline"] is True
+    assert set(report) >= {"variants", "seeds", "minutes", "window_sweep"} and report["seeds"] == [0, 1]
