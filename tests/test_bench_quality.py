@@ -14,8 +14,9 @@ def test_every_variant_and_sweep_point_is_planned_per_seed():
     assert all(r.fraction == STREAMED_FRACTION for r in runs if r.name in ("streamed", "reextract", "fp8"))
 
 
-def _result(loss: float, tau: float | None, budget: int, dump: int) -> dict:
-    return {"loss": loss, "acc": [0.1, 0.05], "tau": tau, "budget_bytes": budget, "dump_bytes": dump,
+def _result(loss: float, tau: float | None, budget: int, dump: int, tau_stderr: float | None = None) -> dict:
+    return {"loss": loss, "acc": [0.1, 0.05], "tau": tau, "tau_stderr": tau_stderr, "budget_bytes": budget,
+            "dump_bytes": dump,
             "seconds": 1.0, "summary": {"steps": 10, "samples_trained": 30, "samples_extracted": 10}}
 
 
@@ -25,7 +26,7 @@ def test_report_keeps_the_contract_keys_and_judges_parity():
         "streamed": [_result(6.05, 1.11, 10, 100), _result(6.08, 1.11, 10, 100)],
         "window-0.02": [_result(7.0, None, 2, 100), _result(7.1, None, 2, 100)],
     }
-    report = _report(results, ["offline", "streamed"], [0.1, 0.02], 10, 7.5, {"loss": 30.0}, 2, 10, 4, 0.0)
+    report = _report(results, ["offline", "streamed"], [0.1, 0.02], 10, 7.5, {"loss": 30.0}, 2, 10, 4, 0.0, 2.0)
     streamed = report["variants"]["streamed"]
     for key in ("heldout_loss", "heldout_loss_spread", "acc", "tau", "tau_spread", "steps", "budget_bytes",
                 "dump_bytes"):
@@ -35,4 +36,19 @@ def test_report_keeps_the_contract_keys_and_judges_parity():
     assert report["parity"]["streamed"]["loss_within"] and report["parity"]["streamed"]["tau_within"]
     sweep = {round(w["budget_fraction"], 2): w for w in report["window_sweep"]}
     assert sweep[0.02]["within_offline"] is False and sweep[0.1]["within_offline"] is True
+    # 10 samples, 2 per step: a 2 % window holds 0.2 samples, a tenth of a step
+    assert abs(sweep[0.02]["window_samples"] - 0.2) < 1e-9 and abs(sweep[0.02]["window_steps"] - 0.1) < 1e-9
     assert set(report) >= {"variants", "seeds", "minutes", "window_sweep"} and report["seeds"] == [0, 1]
+
+
+def test_tau_gap_is_also_judged_against_the_eval_noise():
+    results = {
+        "offline": [_result(6.0, 1.10, 125, 100, 0.01), _result(6.0, 1.10, 125, 100, 0.01)],
+        "fp8": [_result(6.0, 1.115, 10, 100, 0.01), _result(6.0, 1.115, 10, 100, 0.01)],
+        "window-0.1": [_result(6.0, None, 10, 100), _result(6.0, None, 10, 100)],
+    }
+    report = _report(results, ["offline", "fp8"], [0.1], 10, 7.5, {"loss": 30.0}, 2, 10, 4, 0.0, 2.0)
+    assert report["variants"]["fp8"]["tau_stderr"] == 0.01  # the seeds share the prompts: no averaging down
+    verdict = report["parity"]["fp8"]
+    assert not verdict["tau_within"]  # the seeds agree exactly, so the spread allows no gap
+    assert abs(verdict["tau_noise"] - 2 * 0.01 * 2 ** 0.5) < 1e-12 and verdict["tau_within_noise"] is True

@@ -17,7 +17,7 @@ from dflash_stream.drafter import (
     export_drafter,
     load_target_head,
 )
-from dflash_stream.drafter.evaluate import read_prompts, render_prompt, stop_token_ids
+from dflash_stream.drafter.evaluate import Evaluator, _stderr, read_prompts, render_prompt, stop_token_ids
 from dflash_stream.drafter.head import TargetHead
 from dflash_stream.drafter.speculative import greedy_generate, speculative_generate
 from dflash_stream.target_model import load_target_config
@@ -125,10 +125,23 @@ def test_overfit_drafter_accepts_and_stays_exact(setup, untrained_result, chaoti
         optimizer.step()
     trained = export_drafter(model, spec, tmp_path / "trained")
 
-    after = evaluate(cfg, trained, PROMPTS, NEW_TOKENS)
-    assert after["matches_target"]
+    # One Evaluator for both drafters, as `bench quality` compares them: the target's outputs are reused.
+    evaluator = Evaluator(cfg, PROMPTS)
+    after = evaluator.evaluate(trained, NEW_TOKENS)
+    again = evaluator.evaluate(setup[3], NEW_TOKENS)
+    assert after["matches_target"] and again["matches_target"]
     assert untrained_result["acceptance_length"] < 1.2
     assert after["acceptance_length"] > 2.5, after["acceptance_histogram"]
+    assert again["acceptance_histogram"] == untrained_result["acceptance_histogram"]
+    assert again["target_s"] == after["target_s"]  # the target ran once per prompt
+    assert after["acceptance_stderr"] > 0 and untrained_result["acceptance_stderr"] == 0
+
+
+def test_tau_standard_error_is_over_prompts():
+    # tau = 30 / 20 = 1.5; residuals -5 and +5; sqrt(2 / 1 * 50) / 20 = 0.5
+    assert _stderr([10, 20], [10, 10]) == pytest.approx(0.5)
+    assert _stderr([10, 10], [10, 10]) == 0.0
+    assert _stderr([10], [10]) is None
 
 
 def test_prompt_files(tmp_path):

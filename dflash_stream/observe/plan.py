@@ -30,9 +30,12 @@ ASSUMED_FLOPS = {"gpu": 4.0e14, "cpu": 1.9e11}
 ASSUMED_BANDWIDTH = {"gpu": 2.4e12, "cpu": 2.0e10}
 PROMPT_SHARE = 1 / 3  # assumed prompt part of a regenerated sample's tokens (chat and code answers run long)
 THIN_MARGIN = 0.2  # warn when the disk left after the budget is under this fraction of the budget
-REUSE_WINDOW_MEASURED = 0.1
-"""The smallest buffer window (budget over the stored dump) at which `bench quality` measured a drafter trained
-with epoch_source reuse as good as offline (README, Quality); at 2 % its held-out loss was 4 % worse."""
+REUSE_WINDOW_STEPS_MEASURED = 4.5
+"""The smallest buffer window, in optimizer steps of samples, at which `bench quality` measured a drafter
+trained with epoch_source reuse as good as offline (README, Quality: 34 samples at 10 % of its dump, 7.5
+samples per 1,024-token step); at 2 % (0.9 steps) its held-out loss was 4 % worse. With reuse a sample's epochs
+fall that many steps apart, so steps (not the share of the dump) say how close its repeats come. Steps are
+counted as here: batch_tokens x grad_accum x trainers over the mean sample length."""
 
 PHASES = [
     ("data", "samples {sample_id, input_ids, loss_mask}: chat template, assistant loss mask, filtering, "
@@ -317,15 +320,13 @@ def build_plan(cfg: Config, samples: int | None = None, mean_tokens: float | Non
         "window_fraction": budget / volume["full_dump_stored_bytes"] if tokens else None,
         "window_samples": budget / volume["stored_bytes_per_sample"] if mean else None,
     }
-    window = buffer["window_fraction"]
-    if cfg.train.epoch_source == "reuse" and cfg.train.epochs > 1 and window is not None \
-            and window < REUSE_WINDOW_MEASURED:
-        warnings.append(
-            f"the buffer holds {window:.2%} of the dump (~{fmt_count(buffer['window_samples'])} samples), and with "
-            f"train.epoch_source=reuse each sample's {cfg.train.epochs} epochs fall within that window; `bench "
-            f"quality` found reuse as good as offline at a window of {REUSE_WINDOW_MEASURED:.0%} and 4 % worse in "
-            "held-out loss at 2 % (README, Quality): raise store.budget, or use epoch_source=reextract (a full "
-            "reshuffle per epoch, the target run every epoch)")
+    if cfg.extract.from_store:
+        # torch comes with the replay module: imported only for a replaying config.
+        from dflash_stream.pipeline.replay import WINDOW_BYTES
+
+        # Later passes reshuffle what they replay: each extractor holds that much of decoded states at a time.
+        buffer["replay"] = {"from_store": cfg.extract.from_store,
+                            "host_bytes_per_extractor": WINDOW_BYTES if passes > 1 else 0}
     if budget < min_budget:
         warnings.append(f"store.budget {fmt_bytes(budget)} is under the smallest workable budget "
                         f"({fmt_bytes(min_budget)}, one worst-case segment): opening the store will be refused")
@@ -352,6 +353,18 @@ def build_plan(cfg: Config, samples: int | None = None, mean_tokens: float | Non
 
     work = role_work(cfg, shape, layer_ids, mean, tune)
     roles = split_plan(cfg, launch["num_processes"], work, n_samples)
+    # Padding makes real batches hold fewer samples than this: the window in steps is if anything larger.
+    samples_per_step = cfg.train.batch_tokens * cfg.train.grad_accum * roles["trainers"] / mean
+    buffer["window_steps"] = buffer["window_samples"] / samples_per_step if buffer["window_samples"] else None
+    steps = buffer["window_steps"]
+    if cfg.train.epoch_source == "reuse" and cfg.train.epochs > 1 and steps is not None \
+            and steps < REUSE_WINDOW_STEPS_MEASURED:
+        warnings.append(
+            f"the buffer holds ~{fmt_count(buffer['window_samples'])} samples, ~{steps:.1f} optimizer steps of them, "
+            f"and with train.epoch_source=reuse each sample's {cfg.train.epochs} epochs fall within that window; "
+            f"`bench quality` found reuse as good as offline with a window of {REUSE_WINDOW_STEPS_MEASURED} steps "
+            "and 4 % worse in held-out loss at 0.9 (README, Quality): raise store.budget, or use "
+            "epoch_source=reextract (a full reshuffle per epoch, the target run every epoch)")
     if roles.get("better"):
         warnings.append(roles["better"])
     time_plan = _time_plan(cfg, shape, layer_ids, work, roles, n_samples, tokens, launch["num_processes"], tune)
@@ -579,7 +592,10 @@ def render_plan(plan: dict[str, Any]) -> str:
         f"  {fmt_count(b['segments_per_pass'])} segments per extraction pass x {b['passes']} pass(es); "
         f"{_fmt_wraps(b['wraps'])}",
         f"  window: the budget holds {_fmt_share(b['window_fraction'])} of the dump "
-        f"(~{fmt_count(b['window_samples'])} samples)",
+        f"(~{fmt_count(b['window_samples'])} samples, ~{fmt_count(b['window_steps'])} optimizer steps of them)",
+        *([f"  replays the kept store {b['replay']['from_store']}: up to "
+           f"{fmt_bytes(b['replay']['host_bytes_per_extractor'])} of decoded states in host RAM per extractor "
+           "(to reshuffle the later passes)"] if b.get("replay") else []),
         f"  disk at {disk['checked']}: {fmt_bytes(disk['free_bytes'])} free, "
         f"{fmt_bytes(disk['headroom_bytes'])} left after the budget",
     ]
