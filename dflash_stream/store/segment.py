@@ -183,24 +183,47 @@ def write_files(root: Path, files: dict[str, memoryview]) -> None:
         list(pool.map(lambda key: write_file(root / key, files[key]), files))
 
 
-def _read_array(segment_id: str, path: Path, name: str, spec: codecs.ArraySpec, pool: ThreadPoolExecutor) -> np.ndarray:
-    out = np.empty(spec.shape, dtype=np.dtype(spec.dtype).newbyteorder("<"))
+def _chunk_reader(segment_id: str, path: Path, specs: dict[str, codecs.ArraySpec]) -> codecs.ChunkReader:
+    """How the arrays of the segment at `path` are read, one chunk at a time (any thread)."""
 
-    def read_chunk(i: int) -> None:
-        key = _chunk_key(spec, i)
+    def read(name: str, i: int, out: np.ndarray) -> None:
+        spec, key = specs[name], _chunk_key(specs[name], i)
+        file = path / name / key
         try:
+            if not spec.compress and len(out) == spec.rows:
+                # Stored as is: read straight into `out`, then check it there.
+                with stage("read"):
+                    tail = _read_into(file, out)
+                if tail is not None:
+                    codecs.check_chunk(out.view(np.uint8).reshape(-1), tail)
+                    return
             with stage("read"):
-                data = np.fromfile(path / name / key, dtype=np.uint8)
+                data = np.fromfile(file, dtype=np.uint8)
+            codecs.decode_chunk(data, spec, out)
         except FileNotFoundError:
             # zarr would read a missing chunk back as the fill value without a word.
-            raise CorruptChunk(f"segment {segment_id}: array '{name}' has chunk files missing "
-                               f"({path / name / key})") from None
-        try:
-            codecs.decode_chunk(data, spec, out[i * spec.rows:(i + 1) * spec.rows])
+            raise CorruptChunk(f"segment {segment_id}: array '{name}' has chunk files missing ({file})") from None
         except ValueError as err:
             raise CorruptChunk(f"segment {segment_id}: chunk {name}/{key} is corrupt ({err})") from None
 
-    list(pool.map(read_chunk, range(spec.num_chunks)))
+    return read
+
+
+def _read_into(file: Path, out: np.ndarray) -> bytes | None:
+    """The checksum after `out`'s bytes in `file`, having read those bytes into `out` (C-contiguous); None
+    if the file is not exactly that long (the caller reads it the general way, which names the damage)."""
+    with open(file, "rb", buffering=0) as f:
+        if os.fstat(f.fileno()).st_size != out.nbytes + codecs.CHECKSUM_BYTES:
+            return None
+        if f.readinto(out.view(np.uint8).reshape(-1)) != out.nbytes:
+            return None
+        tail = f.read(codecs.CHECKSUM_BYTES)
+    return tail if len(tail) == codecs.CHECKSUM_BYTES else None
+
+
+def _read_array(name: str, spec: codecs.ArraySpec, read: codecs.ChunkReader, pool: ThreadPoolExecutor) -> np.ndarray:
+    out = np.empty(spec.shape, dtype=np.dtype(spec.dtype).newbyteorder("<"))
+    list(pool.map(lambda i: read(name, i, out[i * spec.rows:(i + 1) * spec.rows]), range(spec.num_chunks)))
     return out
 
 
@@ -212,10 +235,13 @@ def read_segment(segment_id: str, path: Path) -> list[StoredSample]:
         specs = {name: _spec(segment_id, name, json.loads((path / name / "zarr.json").read_bytes())) for name in names}
     except (OSError, ValueError, KeyError, TypeError, IndexError) as err:
         raise CorruptChunk(f"segment {segment_id}: metadata unreadable at {path} ({err!r})") from None
+    coder, read = codecs.get(codec), _chunk_reader(segment_id, path, specs)
     with ThreadPoolExecutor(WORKERS) as pool:
-        arrays = {name: _read_array(segment_id, path, name, spec, pool) for name, spec in specs.items()}
-    with stage("plane merge"):
-        states = codecs.get(codec).decode(arrays, len(layer_ids))
+        arrays = {name: _read_array(name, spec, read, pool) for name, spec in specs.items()
+                  if name not in coder.arrays()}
+        with stage("plane merge"):
+            states = coder.decode_chunks(read, {name: specs[name] for name in coder.arrays()}, len(layer_ids),
+                                         pool.map)
     ids = torch.from_numpy(arrays["input_ids"]).long()
     mask = torch.from_numpy(arrays["loss_mask"])
     bounds = arrays["offsets"].tolist()
