@@ -28,7 +28,7 @@ torch is imported only where a codec runs, so that `config` and `plan` can name 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -49,7 +49,7 @@ MERGE_ROWS = 1024
 """Plane rows the lossless decode merges at a time: their uint16 words (1.2 MB at D = 576) stay in cache
 between the merge's passes."""
 
-Mapper = Callable[[Callable, Iterable], Iterator]
+Mapper = Callable[[Callable, Iterable], Iterable]
 """`map`, or a thread pool's `map`: how a codec runs its independent pieces."""
 ChunkReader = Callable[[str, int, np.ndarray], None]
 """read(array, i, out): check and decode chunk i of `array` into `out`, a C-contiguous array shaped as that
