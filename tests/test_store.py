@@ -480,3 +480,37 @@ def test_claim_publish_release_cost_the_same_after_many_segments(tmp_path, monke
     assert late == early, (early, late)
     assert early["records"] <= 1  # the consumer reads the new segment's record once
     assert len(list((store.path / "done").iterdir())) == 151
+
+
+@pytest.mark.parametrize("merge_rows", [1, 7, 1024])
+def test_lossless_decode_paths_agree_for_odd_sizes(tmp_path, monkeypatch, merge_rows):
+    """The store decodes chunk by chunk straight from its files, merge blocks crossing chunk and layer
+    boundaries; zarr's arrays decode whole. Both must give the written bits for any block and chunk size."""
+    monkeypatch.setattr(codecs, "PLANE_CHUNK_BYTES", 13 * 24)  # 13 rows a chunk: chunks straddle layers
+    monkeypatch.setattr(codecs, "MERGE_ROWS", merge_rows)
+    g = torch.Generator().manual_seed(3)
+    layers, hidden = [0, 2, 5], 24
+    samples = [Sample(i, np.arange(n, dtype=np.int32), np.ones(n, dtype=bool),
+                      (torch.randn(n, len(layers) * hidden, generator=g) * 40).to(torch.bfloat16))
+               for i, n in enumerate([5, 17, 1])]
+    segment.write_files(tmp_path / "seg", segment.encode_segment(samples, "lossless", layers, hidden))
+    want = torch.cat([s.hidden_states for s in samples]).view(torch.int16)
+    got = segment.read_segment("seg", tmp_path / "seg")
+    assert torch.equal(torch.cat([s.hidden_states for s in got]).view(torch.int16), want)
+    import zarr
+
+    group = zarr.open_group(tmp_path / "seg", mode="r", zarr_format=3)
+    arrays = {name: group[name][...] for name in ("hidden_hi", "hidden_lo")}
+    assert group["hidden_lo"].nchunks == 6  # 69 rows: 5 full chunks and a padded one
+    assert torch.equal(codecs.get("lossless").decode(arrays, len(layers)).view(torch.int16), want)
+
+
+@pytest.mark.parametrize("change", [b"", b"\0"])
+def test_raw_chunk_of_wrong_length_is_named(tmp_path, small_chunks, change):
+    """A full raw chunk is read straight into the decoded array: a file one byte short or long is damage."""
+    store, claim, _ = round_trip(tmp_path, "lossless", make_samples([1], [64]))
+    chunk = store.path / "segments" / claim.segment_id / "hidden_lo" / "c.1.0"
+    data = chunk.read_bytes()
+    chunk.write_bytes(data[:-1] if not change else data + change)
+    with pytest.raises(CorruptChunk, match=rf"segment {claim.segment_id}: chunk hidden_lo/c\.1\.0 is corrupt"):
+        store.consumer("c", keep=[claim.segment_id]).read(claim)

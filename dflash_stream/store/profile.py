@@ -22,16 +22,26 @@ class Profile:
 
 ACTIVE: Profile | None = None
 """The profile stages are added to; None (the default) costs one check per stage."""
+_OPEN = threading.local()
+"""Per thread: the innermost open stage's name, and the thread time since it was last charged."""
 
 
 @contextmanager
 def stage(name: str) -> Iterator[None]:
+    """Charge this thread's CPU time to `name`; a stage opened inside another (a codec's step that may run on
+    the caller's thread or on a pool's) takes its time from the outer one, so no time is counted twice."""
     profile = ACTIVE
     if profile is None:
         yield
         return
+    outer = getattr(_OPEN, "stage", None)
     start = time.thread_time()
+    if outer is not None:
+        profile.add(outer[0], start - outer[1])
+    _OPEN.stage = (name, start)
     try:
         yield
     finally:
-        profile.add(name, time.thread_time() - start)
+        now = time.thread_time()
+        profile.add(name, now - _OPEN.stage[1])
+        _OPEN.stage = None if outer is None else (outer[0], now)

@@ -13,9 +13,12 @@ from __future__ import annotations
 
 import json
 import os
-from concurrent.futures import ThreadPoolExecutor
+import threading
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -27,7 +30,35 @@ from dflash_stream.store.sizes import segment_specs
 
 FORMAT = 3
 WORKERS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-"""Threads per segment for chunk coding and file I/O: zstd, crc32c, numpy copies and writes release the GIL."""
+"""Threads for chunk coding and file I/O: zstd, crc32c, numpy copies and writes release the GIL."""
+_POOL: tuple[int, ThreadPoolExecutor] | None = None
+_POOL_LOCK = threading.Lock()
+
+
+def _forget_pool() -> None:
+    """In a forked child: the parent's threads are not there."""
+    global _POOL, _POOL_LOCK
+    _POOL, _POOL_LOCK = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_pool)
+
+
+def _run(fn: Callable[[Any], Any], items: Iterable) -> list:
+    """fn over items on the process's coding threads, results in order. Every call has finished when this
+    returns or raises (the first error in order), so a caller that cleans up after an error finds no write
+    still under way. The threads are kept between segments: starting WORKERS threads per call cost more than
+    their start (each new thread's malloc arena faulted its buffers in again: ~3 ms of a 40 ms encode)."""
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None or _POOL[0] != WORKERS:  # the bench sets WORKERS between runs
+            if _POOL is not None:
+                _POOL[1].shutdown(wait=False)
+            _POOL = (WORKERS, ThreadPoolExecutor(WORKERS, thread_name_prefix="dflash-segment"))
+        pool = _POOL[1]
+    futures = [pool.submit(fn, item) for item in items]
+    wait(futures)
+    return [f.result() for f in futures]
 
 
 @dataclass
@@ -70,7 +101,7 @@ def check_samples(samples: list[Sample], width: int) -> int:
     return total
 
 
-def _gather(samples: list[Sample], pool: ThreadPoolExecutor, layers: int | None) -> np.ndarray:
+def _gather(samples: list[Sample], layers: int | None) -> np.ndarray:
     """The samples' bf16 states as one little-endian uint16 array [T, K*D], or [K, T, D] with `layers` = K
     (the copy is made anyway; its runs of D values cost about what a plain copy does). Raises StoreError
     naming the first sample with NaN or Inf."""
@@ -90,7 +121,7 @@ def _gather(samples: list[Sample], pool: ThreadPoolExecutor, layers: int | None)
             # NaN and Inf: the bf16 values whose exponent bits are all ones: 0x7F80.. as int16, 0xFF80.. unsigned.
             return rows.max() >= 0xFF80 or rows.view(np.int16).max() >= 0x7F80
 
-    for sample, bad in zip(samples, pool.map(copy, range(len(samples))), strict=True):
+    for sample, bad in zip(samples, _run(copy, range(len(samples))), strict=True):
         if bad:
             raise StoreError(f"sample {sample.sample_id}: hidden_states hold NaN or Inf; refusing to store them")
     return bits
@@ -116,18 +147,16 @@ def encode_segment(samples: list[Sample], codec: str, layer_ids: list[int], hidd
     attributes = {"format": FORMAT, "codec": codec, "logical_dtype": "bfloat16",
                   "layout": "tokens x (layers * hidden)", "layer_ids": list(layer_ids), "hidden_size": hidden_size}
     files = {"zarr.json": _json({"attributes": attributes, "zarr_format": 3, "node_type": "group"})}
-    with ThreadPoolExecutor(WORKERS) as pool:
-        coder = codecs.get(codec)
-        bits = _gather(samples, pool, len(layer_ids) if coder.layer_major else None)
-        contents.update(coder.encode(bits, len(layer_ids)))
-        tokens, width = len(contents["input_ids"]), samples[0].hidden_states.shape[1]
-        chunks = {}
-        for name, spec in segment_specs(codec, tokens, len(samples), width, len(layer_ids)).items():
-            files[f"{name}/zarr.json"] = _json(_array_metadata(spec))
-            for i in range(spec.num_chunks):
-                chunks[f"{name}/{_chunk_key(spec, i)}"] = pool.submit(
-                    codecs.encode_chunk, contents[name][i * spec.rows:(i + 1) * spec.rows], spec)
-        files.update((key, chunk.result()) for key, chunk in chunks.items())
+    coder = codecs.get(codec)
+    bits = _gather(samples, len(layer_ids) if coder.layer_major else None)
+    contents.update(coder.encode(bits, len(layer_ids)))
+    tokens, width = len(contents["input_ids"]), samples[0].hidden_states.shape[1]
+    chunks = {}
+    for name, spec in segment_specs(codec, tokens, len(samples), width, len(layer_ids)).items():
+        files[f"{name}/zarr.json"] = _json(_array_metadata(spec))
+        for i in range(spec.num_chunks):
+            chunks[f"{name}/{_chunk_key(spec, i)}"] = (contents[name][i * spec.rows:(i + 1) * spec.rows], spec)
+    files.update(zip(chunks, _run(lambda job: codecs.encode_chunk(*job), chunks.values()), strict=True))
     return files
 
 
@@ -179,28 +208,50 @@ def write_files(root: Path, files: dict[str, memoryview]) -> None:
     root.mkdir()
     for folder in sorted({(root / key).parent for key in files} - {root}):
         folder.mkdir(parents=True)
-    with ThreadPoolExecutor(WORKERS) as pool:
-        list(pool.map(lambda key: write_file(root / key, files[key]), files))
+    _run(lambda key: write_file(root / key, files[key]), files)
 
 
-def _read_array(segment_id: str, path: Path, name: str, spec: codecs.ArraySpec, pool: ThreadPoolExecutor) -> np.ndarray:
-    out = np.empty(spec.shape, dtype=np.dtype(spec.dtype).newbyteorder("<"))
+def _chunk_reader(segment_id: str, path: Path, specs: dict[str, codecs.ArraySpec]) -> codecs.ChunkReader:
+    """How the arrays of the segment at `path` are read, one chunk at a time (any thread)."""
 
-    def read_chunk(i: int) -> None:
-        key = _chunk_key(spec, i)
+    def read(name: str, i: int, out: np.ndarray) -> None:
+        spec, key = specs[name], _chunk_key(specs[name], i)
+        file = path / name / key
         try:
+            if not spec.compress and len(out) == spec.rows:
+                # Stored as is: read straight into `out`, then check it there.
+                with stage("read"):
+                    tail = _read_into(file, out)
+                if tail is not None:
+                    codecs.check_chunk(out.view(np.uint8).reshape(-1), tail)
+                    return
             with stage("read"):
-                data = np.fromfile(path / name / key, dtype=np.uint8)
+                data = np.fromfile(file, dtype=np.uint8)
+            codecs.decode_chunk(data, spec, out)
         except FileNotFoundError:
             # zarr would read a missing chunk back as the fill value without a word.
-            raise CorruptChunk(f"segment {segment_id}: array '{name}' has chunk files missing "
-                               f"({path / name / key})") from None
-        try:
-            codecs.decode_chunk(data, spec, out[i * spec.rows:(i + 1) * spec.rows])
+            raise CorruptChunk(f"segment {segment_id}: array '{name}' has chunk files missing ({file})") from None
         except ValueError as err:
             raise CorruptChunk(f"segment {segment_id}: chunk {name}/{key} is corrupt ({err})") from None
 
-    list(pool.map(read_chunk, range(spec.num_chunks)))
+    return read
+
+
+def _read_into(file: Path, out: np.ndarray) -> bytes | None:
+    """The checksum after `out`'s bytes in `file`, having read those bytes into `out` (C-contiguous); None
+    if the file is not exactly that long (the caller reads it the general way, which names the damage)."""
+    with open(file, "rb", buffering=0) as f:
+        if os.fstat(f.fileno()).st_size != out.nbytes + codecs.CHECKSUM_BYTES:
+            return None
+        if f.readinto(out.view(np.uint8).reshape(-1)) != out.nbytes:
+            return None
+        tail = f.read(codecs.CHECKSUM_BYTES)
+    return tail if len(tail) == codecs.CHECKSUM_BYTES else None
+
+
+def _read_array(name: str, spec: codecs.ArraySpec, read: codecs.ChunkReader) -> np.ndarray:
+    out = np.empty(spec.shape, dtype=np.dtype(spec.dtype).newbyteorder("<"))
+    _run(lambda i: read(name, i, out[i * spec.rows:(i + 1) * spec.rows]), range(spec.num_chunks))
     return out
 
 
@@ -212,10 +263,10 @@ def read_segment(segment_id: str, path: Path) -> list[StoredSample]:
         specs = {name: _spec(segment_id, name, json.loads((path / name / "zarr.json").read_bytes())) for name in names}
     except (OSError, ValueError, KeyError, TypeError, IndexError) as err:
         raise CorruptChunk(f"segment {segment_id}: metadata unreadable at {path} ({err!r})") from None
-    with ThreadPoolExecutor(WORKERS) as pool:
-        arrays = {name: _read_array(segment_id, path, name, spec, pool) for name, spec in specs.items()}
+    coder, read = codecs.get(codec), _chunk_reader(segment_id, path, specs)
+    arrays = {name: _read_array(name, spec, read) for name, spec in specs.items() if name not in coder.arrays()}
     with stage("plane merge"):
-        states = codecs.get(codec).decode(arrays, len(layer_ids))
+        states = coder.decode_chunks(read, {name: specs[name] for name in coder.arrays()}, len(layer_ids), _run)
     ids = torch.from_numpy(arrays["input_ids"]).long()
     mask = torch.from_numpy(arrays["loss_mask"])
     bounds = arrays["offsets"].tolist()
