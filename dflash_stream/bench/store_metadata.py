@@ -1,6 +1,7 @@
 """`dflash-stream bench store --metadata N`: N small segments published, claimed and released one after the
 other, with each step's latency early and late in the run: the store's metadata work per step must not grow
-with the number of segments that passed (records and release markers accumulate; nothing per step reads them)."""
+with the number of segments that passed, and the store's directories must stay as small (released segments'
+records are folded into ledgers: their size is reported, and how long a resume takes to read them back)."""
 
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ def run_metadata(segments: int, as_json: bool) -> int:
         states = torch.randn(TOKENS, len(LAYERS) * HIDDEN).to(torch.bfloat16)
         ids, mask = np.arange(TOKENS, dtype=np.int32), np.ones(TOKENS, dtype=bool)
         steps: dict[str, list[float]] = {"publish": [], "claim": [], "release": []}
-        largest = {"ready": 0, "segments": 0}
+        largest = {"ready": 0, "segments": 0, "info": 0, "done": 0}
         for i in range(segments):
             t0 = time.perf_counter()
             writer.write([Sample(i, ids, mask, states)])
@@ -49,6 +50,12 @@ def run_metadata(segments: int, as_json: bool) -> int:
             if i % WINDOW == 0:
                 for d in largest:
                     largest[d] = max(largest[d], len(list((store.path / d).iterdir())))
+        # What a resuming extractor reads: every record, folded or not, by a process that read none yet.
+        t0 = time.perf_counter()
+        stored = Store.attach(store.path).stored_sample_ids()
+        resume_s = time.perf_counter() - t0
+        ledgers = list((store.path / "released").iterdir())
+        ledger_bytes = sum(p.stat().st_size for p in ledgers)
         window = min(WINDOW, max(2, segments // 10))
         report = {
             "segments": segments, "window": window,
@@ -57,6 +64,9 @@ def run_metadata(segments: int, as_json: bool) -> int:
                for name, v in steps.items()},
             "largest_dir_entries": largest,
             "kept_records": {d: len(list((store.path / d).iterdir())) for d in ("info", "done")},
+            "ledger": {"files": len(ledgers), "bytes": ledger_bytes,
+                       "bytes_per_segment": round(ledger_bytes / max(segments, 1), 1)},
+            "stored_sample_ids": {"samples": len(stored.get(0, ())), "read_ms": round(1e3 * resume_s, 3)},
         }
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -68,6 +78,10 @@ def run_metadata(segments: int, as_json: bool) -> int:
             r = report[name]
             print(f"  {name:<8} first {r['first']['median_ms']:.3f} ({r['first']['p90_ms']:.3f}) ms   last "
                   f"{r['last']['median_ms']:.3f} ({r['last']['p90_ms']:.3f}) ms   ratio {r['last_over_first']:.2f}")
-        print(f"  largest ready/ and segments/ listings: {report['largest_dir_entries']}; records kept for the "
-              f"audit: {report['kept_records']}")
+        print(f"  largest listings: {report['largest_dir_entries']}; left in info/ and done/: "
+              f"{report['kept_records']}")
+        led, ids = report["ledger"], report["stored_sample_ids"]
+        print(f"  released records folded into {led['files']} ledger file(s): {led['bytes']:,} bytes "
+              f"({led['bytes_per_segment']} per segment); a resume reads the ids of {ids['samples']:,} samples in "
+              f"{ids['read_ms']:.1f} ms")
     return 0
