@@ -4,6 +4,7 @@ recovery that finishes it) leaves a store that counts each segment once."""
 
 from __future__ import annotations
 
+import errno
 import json
 import multiprocessing as mp
 import os
@@ -13,9 +14,9 @@ import time
 from pathlib import Path
 
 import pytest
-from test_store import make_samples, open_store
+from test_store import FP, make_samples, open_store
 
-from dflash_stream.store import SegmentInfo, Store, ledger
+from dflash_stream.store import FingerprintMismatch, SegmentInfo, Store, ledger
 from dflash_stream.store import store as store_module
 from dflash_stream.store.budget import du
 
@@ -190,8 +191,6 @@ def test_a_kill_mid_recovery_leaves_a_store_the_next_recovery_finishes(tmp_path,
 
 
 def test_a_full_disk_while_folding_leaves_the_record_in_info_and_the_release_done(tmp_path, monkeypatch, caplog):
-    import errno
-
     store = open_store(tmp_path / "s")
     written = fill(store, 3)
     c = store.consumer("c")
@@ -252,3 +251,15 @@ def test_kill_9_of_a_consumer_mid_release_again_and_again(tmp_path):
     assert sorted({r["segment_id"] for r in lines}) == [i.segment_id for i in written]
     after = Store.attach(path)
     assert after.published() == written and after.status()["segments"]["released"] == 400
+
+
+def test_a_store_whose_segments_were_all_released_still_refuses_another_config(tmp_path):
+    """Only the ledgers remember what it holds: it is not an empty store that takes any config."""
+    store = open_store(tmp_path / "s")
+    fill(store, 3)
+    c = store.consumer("c")
+    for _ in range(3):
+        c.release([c.claim(timeout=1)])
+    assert entries(store, "info", "segments", "done") == {"info": 0, "segments": 0, "done": 0}
+    with pytest.raises(FingerprintMismatch, match=r"maximum lengths .* \(3 segment\(s\) published in it\)"):
+        open_store(tmp_path / "s", fingerprint={**FP, "max_length": 512})
