@@ -263,3 +263,14 @@ def test_a_store_whose_segments_were_all_released_still_refuses_another_config(t
     assert entries(store, "info", "segments", "done") == {"info": 0, "segments": 0, "done": 0}
     with pytest.raises(FingerprintMismatch, match=r"maximum lengths .* \(3 segment\(s\) published in it\)"):
         open_store(tmp_path / "s", fingerprint={**FP, "max_length": 512})
+
+
+def test_two_objects_of_one_consumer_id_in_one_process_never_cut_each_others_lines(tmp_path):
+    """A resuming trainer opens its consumer twice (see DataPosition.load_state_dict): an append cuts only a
+    torn tail, never a complete line another object appended."""
+    store = open_store(tmp_path / "s")
+    written = fill(store, 4)
+    first, second = store.consumer("c"), store.consumer("c")
+    for c in (first, second, first, second):
+        c.release([c.claim(timeout=1)])
+    assert [r["segment_id"] for r in ledger_lines(store)] == [i.segment_id for i in written]

@@ -27,63 +27,61 @@ def consumer_ledger(consumer_id: str) -> str:
     return f"consumer-{consumer_id}.jsonl"
 
 
-def _cut_torn_tail(path: Path) -> int:
-    """Cut what follows the last newline (an append a crash interrupted); the file's size afterwards. Opened
-    for writing only to cut, so that a consumer of a read-only store still starts (and fails on what it writes)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except FileNotFoundError:
-        return 0
-    try:
-        size = os.fstat(fd).st_size
-        end, step = size, 1 << 16
-        while end > 0:  # backwards, a block at a time: the tail is short, the file may not be
-            start = max(0, end - step)
-            at = os.pread(fd, end - start, start).rfind(b"\n")
-            if at >= 0:
-                end = start + at + 1
-                break
-            end = start
-    finally:
-        os.close(fd)
-    if end != size:
-        log.warning("ledger %s: cut a torn last line of %d bytes (a crash interrupted its append)", path, size - end)
-        fd = os.open(path, os.O_WRONLY)
-        try:
-            os.ftruncate(fd, end)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+def _complete_end(fd: int, size: int) -> int:
+    """Where the complete lines of an open ledger end: past its last newline."""
+    end, step = size, 1 << 16
+    while end > 0:  # backwards, a block at a time: a torn tail is short, the file may not be
+        start = max(0, end - step)
+        at = os.pread(fd, end - start, start).rfind(b"\n")
+        if at >= 0:
+            return start + at + 1
+        end = start
+    return 0
+
+
+def _cut_torn_tail(fd: int, path: Path) -> int:
+    """Cut what follows the last newline (an append a crash or a full disk interrupted); the size after.
+    Complete lines are never cut, whoever appended them."""
+    size = os.fstat(fd).st_size
+    if size == 0 or os.pread(fd, 1, size - 1) == b"\n":
+        return size
+    end = _complete_end(fd, size)
+    log.warning("ledger %s: cut a torn last line of %d bytes (an append was interrupted)", path, size - end)
+    os.ftruncate(fd, end)
     return end
 
 
-class LedgerAppender:
-    """Appends records to one ledger file; only its one writer may hold one (see the module docstring)."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self._size = _cut_torn_tail(path)
-        """Bytes of complete lines: a failed append past them is cut before the next one."""
-
-    def append(self, records: list[dict[str, Any]]) -> None:
-        """Append and fsync; durable when this returns. On an error (a full disk) the file may hold a partial
-        line, which readers skip and the next append cuts."""
-        data = "".join(json.dumps(r, separators=(",", ":")) + "\n" for r in records).encode()
-        created = not self.path.exists()
-        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT, 0o644)
-        try:
-            if os.fstat(fd).st_size != self._size:
-                os.ftruncate(fd, self._size)
-            view, at = memoryview(data), self._size
-            while view:
-                n = os.pwrite(fd, view, at)
-                view, at = view[n:], at + n
+def repair(path: Path) -> None:
+    """Cut a torn last line; only while no process appends to `path` (recovery)."""
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except FileNotFoundError:
+        return
+    try:
+        size = os.fstat(fd).st_size
+        if _cut_torn_tail(fd, path) != size:
             os.fsync(fd)
-        finally:
-            os.close(fd)
-        if created:
-            fsync(self.path.parent)  # the new file's name, too, must survive a machine crash
-        self._size += len(data)
+    finally:
+        os.close(fd)
+
+
+def append(path: Path, records: list[dict[str, Any]]) -> None:
+    """Append records to the ledger at `path` and fsync: durable when this returns. Only the file's one writer
+    calls this (see the module docstring). An append a full disk interrupted may leave a partial line, which
+    readers skip and the next append cuts first (one read of the file's last byte tells)."""
+    data = "".join(json.dumps(r, separators=(",", ":")) + "\n" for r in records).encode()
+    created = not path.exists()
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        view, at = memoryview(data), _cut_torn_tail(fd, path)
+        while view:
+            n = os.pwrite(fd, view, at)
+            view, at = view[n:], at + n
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    if created:
+        fsync(path.parent)  # the new file's name, too, must survive a machine crash
 
 
 class LedgerReader:

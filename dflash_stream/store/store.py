@@ -278,7 +278,7 @@ class Store:
         record and the marker. Also folds every release of a store written before the ledgers existed."""
         folder = self.path / ledger.FOLDER
         for name in self._ls(ledger.FOLDER):  # no process appends now: cut torn last lines
-            ledger.LedgerAppender(folder / name)
+            ledger.repair(folder / name)
         pending = sorted((_marker(name)[0], name) for name in self._ls("done"))
         for seg, _ in pending:
             if (self.path / "segments" / seg).exists():
@@ -287,7 +287,7 @@ class Store:
         folded = self._folded()
         new = {seg: info for seg, _ in pending if seg not in folded and (info := self._record(seg)) is not None}
         if new:
-            ledger.LedgerAppender(folder / ledger.RECOVERY).append([_raw_from_info(i) for i in new.values()])
+            ledger.append(folder / ledger.RECOVERY, [_raw_from_info(i) for i in new.values()])
             folded.update(new)
         for seg, name in pending:
             if seg in folded:  # a marker whose record is nowhere (a damaged store) stays, and still counts
@@ -613,7 +613,7 @@ class SegmentConsumer:
         self._dir = store.path / "claimed" / consumer_id
         self._dir.mkdir(exist_ok=True)
         store._return_claims(consumer_id, keep)
-        self._ledger = ledger.LedgerAppender(store.path / ledger.FOLDER / ledger.consumer_ledger(consumer_id))
+        self._ledger = store.path / ledger.FOLDER / ledger.consumer_ledger(consumer_id)
 
     def claim(self, timeout: float | None = None) -> Claim | None:
         """A READY segment use, exclusively; blocks until one is ready, the end of data or `timeout`
@@ -667,11 +667,11 @@ class SegmentConsumer:
         if info is None:
             return
         try:
-            self._ledger.append([_raw_from_info(info)])
+            ledger.append(self._ledger, [_raw_from_info(info)])
             st._forget_released(seg, marker)
         except OSError as err:  # the release itself is done; recovery folds what is left
             log.warning("could not fold the record of released segment %s into %s (%s); it stays in info/ until "
-                        "the store is recovered", seg, self._ledger.path, err.strerror or err)
+                        "the store is recovered", seg, self._ledger, err.strerror or err)
 
     def writers_waiting(self) -> bool:
         return bool(self.store._ls("budget/waiting"))
