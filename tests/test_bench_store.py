@@ -20,6 +20,7 @@ def test_metadata_bench_reports_each_step_early_and_late(capsys) -> None:
     assert report["stored_sample_ids"]["samples"] == 40 and max(report["largest_dir_entries"].values()) <= 1
     for step in ("publish", "claim", "release"):
         assert report[step]["first"]["median_ms"] > 0 and report[step]["last"]["median_ms"] > 0
+        assert report["aged_vs_fresh"]["aged_over_fresh"][step] > 0
 
 
 @pytest.mark.slow
