@@ -15,9 +15,12 @@ from dflash_stream.bench.store_rate import run_rate
 def test_metadata_bench_reports_each_step_early_and_late(capsys) -> None:
     assert run_metadata(40, as_json=True) == 0
     report = json.loads(capsys.readouterr().out)
-    assert report["segments"] == 40 and report["kept_records"] == {"info": 40, "done": 40}
+    assert report["segments"] == 40 and report["kept_records"] == {"info": 0, "done": 0}
+    assert report["ledger"]["files"] == 1 and 0 < report["ledger"]["bytes_per_segment"] < 512
+    assert report["stored_sample_ids"]["samples"] == 40 and max(report["largest_dir_entries"].values()) <= 1
     for step in ("publish", "claim", "release"):
         assert report[step]["first"]["median_ms"] > 0 and report[step]["last"]["median_ms"] > 0
+        assert report["aged_vs_fresh"]["aged_over_fresh"][step] > 0
 
 
 @pytest.mark.slow

@@ -1,26 +1,33 @@
 """The store: a disk-budgeted ring buffer of hidden-state segments between extractors and trainers.
 
-On-disk layout (every state change is one atomic `rename` or an `O_EXCL`/`mkdir` create, so it holds on NFS):
+On-disk layout (every state change is one atomic `rename` or an `O_EXCL`/`mkdir` create, or an append to a file
+with one writer, so it holds on NFS):
 
     PATH/store.json                  format, fingerprint, codec, reuse, width, budget (created once)
     PATH/segments/<seg>/             published segments: zarr v3 groups, immutable (see `segment.py`)
     PATH/tmp/<writer>/<seg>/         a segment being written; published by renaming it into segments/
-    PATH/info/<seg>.json             a segment's record: pass index, sample ids, tokens, bytes on disk. Written
-                                     before publishing and kept after deletion (`stored_sample_ids`).
+    PATH/info/<seg>.json             a live segment's record: pass index, sample ids, tokens, bytes on disk.
+                                     Written before publishing; folded into a ledger once the segment is released.
     PATH/ready/<seg>@<use>           empty marker: READY for its use number <use> (0 .. reuse-1)
     PATH/claimed/<consumer>/<seg>@<use>  the same marker, renamed here by the one consumer that claimed it
-    PATH/done/<seg>@<use>            released for the last time; the segment directory is (being) deleted
+    PATH/done/<seg>@<use>            released for the last time; unlinked once the segment is deleted and its
+                                     record folded into a ledger
+    PATH/released/consumer-<id>.jsonl  records of the segments that consumer released for the last time, one JSON
+                                     line each, appended by it alone and fsynced; a torn last line is skipped,
+                                     then cut (`ledger.py`). recovery.jsonl: those recovery folded. Read by
+                                     `published` and `stored_sample_ids` (resume).
     PATH/writers/expected            how many writers end the data; PATH/writers/<writer>.finished markers
     PATH/budget/lock/                mkdir lock around the reserve step (holder named inside, stale-aware)
     PATH/budget/reserved/<writer>    bytes reserved by that writer's in-flight segment
     PATH/budget/waiting/<writer>     present while that writer waits for the budget
-    PATH/budget/records/<writer>     bytes that writer's records in info/ take (so the budget need not list
-                                     info/ and done/, which grow with every segment, on each reservation)
 
 Segment ids are `<writer>.<seq>`. Lifecycle: reserve -> tmp -> info -> rename (published) -> ready@0 ->
-claimed -> release: ready@u+1, or done + delete after `reuse` uses. Budget: `du` of everything outside
-segments/ and tmp/, plus each published segment's recorded size, plus reservations, plus a small slack,
-stays <= budget; readiness never comes from zarr (a missing chunk would read back as fill values).
+claimed -> release: ready@u+1, or after `reuse` uses done -> delete -> ledger line -> unlink info and done
+(recovery finishes a release a crash interrupted; a record both in info/ and a ledger counts once). So info/,
+done/ and ready/ hold only live segments, and a step costs the same after any number of segments. Budget: `du`
+of everything outside segments/ and tmp/ (ledgers included), plus each published segment's recorded size, plus
+reservations, plus a small slack, stays <= budget; readiness never comes from zarr (a missing chunk would read
+back as fill values).
 Published segments are not fsynced: they survive any process crash, and a machine crash shows up as a
 checksum error on read.
 """

@@ -9,7 +9,7 @@ import re
 import shutil
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -17,7 +17,7 @@ from dflash_stream import diskfull
 from dflash_stream.log import get_logger
 from dflash_stream.rundir import write_atomic
 from dflash_stream.store import budget as bud
-from dflash_stream.store import codecs, lease, sizes
+from dflash_stream.store import codecs, lease, ledger, sizes
 from dflash_stream.store.backpressure import BackpressureLog
 from dflash_stream.store.errors import (
     BudgetTooSmall,
@@ -33,8 +33,8 @@ if TYPE_CHECKING:
     from dflash_stream.store.segment import Sample, StoredSample
 
 log = get_logger("store")
-DIRS = ("segments", "tmp", "info", "ready", "claimed", "done", "writers", "budget", "budget/reserved", "budget/waiting",
-        "budget/records", "locks", "quarantine")
+DIRS = ("segments", "tmp", "info", "ready", "claimed", "done", ledger.FOLDER, "writers", "budget", "budget/reserved",
+        "budget/waiting", "locks", "quarantine")
 _ID = re.compile(r"^[A-Za-z0-9_-]+$")
 POLL_SECONDS = (0.02, 0.5)
 QUARANTINE_SHARE = 0.25
@@ -89,6 +89,19 @@ class SegmentInfo:
     """`<segment>.<part>` of the quarantined segment whose samples it holds again."""
 
 
+def _info_from_raw(raw: dict[str, Any]) -> SegmentInfo:
+    return SegmentInfo(raw["segment_id"], raw["pass_index"], tuple(raw["sample_ids"]), raw["num_tokens"],
+                       raw["raw_bytes"], raw["bytes"], raw.get("first_use", 0), raw.get("replaces"))
+
+
+def _raw_from_info(info: SegmentInfo) -> dict[str, Any]:
+    """The record as info/<seg>.json holds it (the defaults left out: a ledger line stays short)."""
+    raw = {**asdict(info), "sample_ids": list(info.sample_ids)}
+    if not info.first_use and info.replaces is None:
+        del raw["first_use"], raw["replaces"]
+    return raw
+
+
 class Store:
     """Open with `Store.open`; see the package docstring for the layout and the lifecycle."""
 
@@ -105,6 +118,9 @@ class Store:
         self.width: int = manifest["width"]
         self.block = bud.block_size(path)
         self._info: dict[str, SegmentInfo] = {}
+        self._ledgers = ledger.LedgerReader(path / ledger.FOLDER)
+        self._released: dict[str, SegmentInfo] = {}
+        """Records folded into the ledgers, as read so far (`_folded`)."""
 
     # ---- opening -------------------------------------------------------------------------------------------
     @classmethod
@@ -197,11 +213,16 @@ class Store:
         return self.end_of_data and not self._ls("ready") and not any(self._ls(f"claimed/{c}") for c in self._ls("claimed"))
 
     def published(self) -> list[SegmentInfo]:
-        """Every segment ever published here, live or already released and deleted."""
-        # Segments are listed before `done`: a release moves its marker to done before deleting the segment.
+        """Every segment ever published here, live or already released and deleted, in segment id order."""
+        # In the order a release moves a segment, so that a concurrent one cannot hide it: segments/ is listed
+        # before done/ (the marker moves to done/ before the segment is deleted), and the ledgers are read last
+        # (a record is appended there before its info/ file and its marker are unlinked).
         names = set(self._ls("segments")) | {_marker(n)[0] for n in self._ls("done")}
         names |= {n.removesuffix(".json") for n in self._ls("quarantine") if n.endswith(".json")}
-        return [info for info in map(self._record, sorted(names)) if info is not None]
+        found = {seg: info for seg in names if (info := self._record(seg)) is not None}
+        for seg, info in self._folded().items():  # a record both folded and in info/ counts once
+            found.setdefault(seg, info)
+        return [found[seg] for seg in sorted(found)]
 
     def stored_sample_ids(self) -> dict[int, set[int]]:
         out: dict[int, set[int]] = {}
@@ -214,11 +235,13 @@ class Store:
         used = self._used()
         live = [i for i in (self._record(s) for s in self._ls("segments")) if i is not None]
         claimed = [n for c in self._ls("claimed") for n in self._ls(f"claimed/{c}")]
+        # done/ before the ledgers (see `published`); a segment in both counts once.
+        released = {_marker(n)[0] for n in self._ls("done")} | self._folded().keys()
         return {
             "path": str(self.path), "codec": self.codec, "reuse": self.reuse,
             "budget_bytes": self.budget, "used_bytes": used, "reserved_bytes": reserved,
             "segments": {"ready": len(self._ls("ready")), "claimed": len(claimed), "writing": len(self._ls("tmp", "*/*")),
-                         "released": len(self._ls("done"))},
+                         "released": len(released)},
             "samples": sum(len(i.sample_ids) for i in live), "tokens": sum(i.num_tokens for i in live),
             "writers_finished": len(self._finished_writers()), "writers_waiting": len(self._ls("budget/waiting")),
             "end_of_data": self.end_of_data,
@@ -243,13 +266,46 @@ class Store:
                 self._mark_published(seg)
         for c in set(self._ls("claimed")) - set(keep_consumers):
             report["claims_returned"] += self._return_claims(c, set())
-        for name in self._ls("done"):
-            seg = _marker(name)[0]
+        report["records_folded"] = self._finish_releases(report)
+        shutil.rmtree(self.path / "budget" / "lock", ignore_errors=True)
+        # Running totals of records that earlier versions kept; the budget now measures info/ itself.
+        shutil.rmtree(self.path / "budget" / "records", ignore_errors=True)
+        return report
+
+    def _finish_releases(self, report: dict[str, int]) -> int:
+        """Finish the last releases a crash interrupted (between the marker's move to done/ and its unlink):
+        delete the segment, fold its record into the recovery ledger unless its consumer did, then unlink the
+        record and the marker. Also folds every release of a store written before the ledgers existed."""
+        folder = self.path / ledger.FOLDER
+        for name in self._ls(ledger.FOLDER):  # no process appends now: cut torn last lines
+            ledger.repair(folder / name)
+        pending = sorted((_marker(name)[0], name) for name in self._ls("done"))
+        for seg, _ in pending:
             if (self.path / "segments" / seg).exists():
                 shutil.rmtree(self.path / "segments" / seg, ignore_errors=True)
                 report["deletions_finished"] += 1
-        shutil.rmtree(self.path / "budget" / "lock", ignore_errors=True)
-        return report
+        folded = self._folded()
+        new = {seg: info for seg, _ in pending if seg not in folded and (info := self._record(seg)) is not None}
+        if new:
+            ledger.append(folder / ledger.RECOVERY, [_raw_from_info(i) for i in new.values()])
+            folded.update(new)
+        for seg, name in pending:
+            if seg in folded:  # a marker whose record is nowhere (a damaged store) stays, and still counts
+                self._forget_released(seg, name)
+        return len(new)
+
+    def _folded(self) -> dict[str, SegmentInfo]:
+        """The records folded into the ledgers: segment id -> record (the first line of a segment folded twice)."""
+        for raw in self._ledgers.read_new():
+            self._released.setdefault(raw["segment_id"], _info_from_raw(raw))
+        return self._released
+
+    def _forget_released(self, seg: str, marker: str) -> None:
+        """Once its record is in a ledger: unlink a released segment's record, then its marker (so that a
+        marker without its record means "folded", for recovery)."""
+        (self.path / "info" / f"{seg}.json").unlink(missing_ok=True)
+        (self.path / "done" / marker).unlink(missing_ok=True)
+        self._info.pop(seg, None)
 
     def _find_sample(self, sample_id: int) -> str:
         """The live segment holding `sample_id`."""
@@ -263,16 +319,14 @@ class Store:
 
     # ---- shared helpers ------------------------------------------------------------------------------------
     def _record(self, segment_id: str) -> SegmentInfo | None:
-        """A segment's immutable record (kept after the segment is deleted); None for an unpublished one."""
+        """A live segment's immutable record from info/; None for an unpublished one, or one released and
+        folded into a ledger (see `_folded`)."""
         if segment_id not in self._info:
             try:
                 raw = json.loads((self.path / "info" / f"{segment_id}.json").read_text())
             except (FileNotFoundError, json.JSONDecodeError):
                 return None
-            self._info[segment_id] = SegmentInfo(
-                raw["segment_id"], raw["pass_index"], tuple(raw["sample_ids"]), raw["num_tokens"], raw["raw_bytes"],
-                raw["bytes"], raw.get("first_use", 0), raw.get("replaces"),
-            )
+            self._info[segment_id] = _info_from_raw(raw)
         return self._info[segment_id]
 
     def _ls(self, rel: str, pattern: str | None = None) -> list[str]:
@@ -299,25 +353,15 @@ class Store:
     def _used(self) -> int:
         """Published segments at their recorded size, plus everything outside segments and partial writes.
         Segments are listed before the rest is measured, so a segment deleted in between is still counted.
-        Records (info/) and release markers (done/) only accumulate: their directories are measured themselves,
-        the records through their writers' running totals, so this costs the same after any number of segments."""
+        info/ and done/ hold only live segments (released ones are folded into the few ledger files), so
+        measuring them all costs the same after any number of segments."""
         charged = 0
         for seg in self._ls("segments"):
             info = self._record(seg)
-            # A segment dir without its record is a crashed publish being recovered: measure it.
+            # A segment dir without its record is a crashed publish being recovered, or one being deleted
+            # whose record was folded already: measure it.
             charged += info.bytes if info else bud.du(self.path / "segments" / seg)
-        rest = bud.du(self.path, frozenset({"segments", "tmp"}), frozenset({"info", "done"}))
-        return charged + rest + self._records_bytes()
-
-    def _records_bytes(self) -> int:
-        """Bytes of the records in info/, as each writer totals its own (budget/records/<writer>)."""
-        total = 0
-        for w in self._ls("budget/records"):
-            try:
-                total += int((self.path / "budget" / "records" / w).read_text() or 0)
-            except (FileNotFoundError, ValueError):
-                continue
-        return total
+        return charged + bud.du(self.path, frozenset({"segments", "tmp"}))
 
     def _has_marker(self, seg: str) -> bool:
         names = self._ls("ready") + self._ls("done") + [n for c in self._ls("claimed") for n in self._ls(f"claimed/{c}")]
@@ -420,12 +464,12 @@ class SegmentWriter:
         self._pressure = BackpressureLog(log, writer_id)
         store._clean_writer(writer_id)
         (store.path / "writers" / f"{writer_id}.finished").unlink(missing_ok=True)
-        mine = [n for n in store._ls("info") if n.startswith(f"{writer_id}.") and n.endswith(".json")]
-        seqs = [n.removesuffix(".json").rpartition(".")[2] for n in mine]
-        self._seq = max((int(s) for s in seqs if s.isdigit()), default=-1) + 1
-        # The running total of this writer's records, recounted once per start (after any crash).
-        self._records = sum(_blocks(store.path / "info" / n) for n in mine)
-        _write_json(store.path / "budget" / "records" / writer_id, self._records)
+        # Past every segment this writer published: the live ones' records (info/), then the released ones'
+        # (the ledgers, read after: a record leaves info/ only once it is folded).
+        mine = [n.removesuffix(".json") for n in store._ls("info") if n.endswith(".json")]
+        mine += list(store._folded())
+        seqs = [seq for w, _, seq in (s.rpartition(".") for s in mine) if w == writer_id and seq.isdigit()]
+        self._seq = max(map(int, seqs), default=-1) + 1
         (store.path / "tmp" / writer_id).mkdir(exist_ok=True)
 
     def write(self, samples: list[Sample], pass_index: int = 0, block: bool = True, first_use: int = 0,
@@ -485,10 +529,7 @@ class SegmentWriter:
         # Published: from here on only forward, never undone.
         st._info[seg] = info
         diskfull.retry_when_full(f"the markers of segment {seg}", st.path, lambda: st._mark_published(seg))
-        # Counted under the reservation until here, the record now joins this writer's total.
-        self._records += _blocks(st.path / "info" / f"{seg}.json")
-        _write_json(st.path / "budget" / "records" / self.id, self._records)
-        self._unreserve()
+        self._unreserve()  # the record in info/ is measured by the budget from now on
         self._seq += 1
         return info
 
@@ -572,6 +613,7 @@ class SegmentConsumer:
         self._dir = store.path / "claimed" / consumer_id
         self._dir.mkdir(exist_ok=True)
         store._return_claims(consumer_id, keep)
+        self._ledger = store.path / ledger.FOLDER / ledger.consumer_ledger(consumer_id)
 
     def claim(self, timeout: float | None = None) -> Claim | None:
         """A READY segment use, exclusively; blocks until one is ready, the end of data or `timeout`
@@ -599,12 +641,12 @@ class SegmentConsumer:
         st = self.store
         for c in claims:
             src = self._dir / f"{c.segment_id}@{c.use_index}"
+            last = c.use_index + 1 >= st.reuse
             try:
-                if c.use_index + 1 < st.reuse:
-                    os.rename(src, st.path / "ready" / f"{c.segment_id}@{c.use_index + 1}")
+                if last:
+                    os.rename(src, st.path / "done" / src.name)  # released: from here on only forward
                 else:
-                    os.rename(src, st.path / "done" / src.name)
-                    shutil.rmtree(st.path / "segments" / c.segment_id, ignore_errors=True)
+                    os.rename(src, st.path / "ready" / f"{c.segment_id}@{c.use_index + 1}")
             except FileNotFoundError:
                 raise StoreError(
                     f"segment {c.segment_id} (use {c.use_index}) is not claimed by consumer {self.id}; it was "
@@ -613,6 +655,23 @@ class SegmentConsumer:
             except OSError as err:  # a store that became read-only (or vanished): say so in one line
                 raise StoreError(f"releasing segment {c.segment_id} in {st.path} failed: {err.strerror or err}; "
                                  "it stays claimed, and the next run releases it") from None
+            if last:
+                shutil.rmtree(st.path / "segments" / c.segment_id, ignore_errors=True)
+                self._fold(c.segment_id, src.name)
+
+    def _fold(self, seg: str, marker: str) -> None:
+        """Move a released segment's record from info/ into this consumer's ledger, and drop its marker, so
+        that info/ and done/ keep only live segments. Left to recovery when it fails (a full disk)."""
+        st = self.store
+        info = st._record(seg)
+        if info is None:
+            return
+        try:
+            ledger.append(self._ledger, [_raw_from_info(info)])
+            st._forget_released(seg, marker)
+        except OSError as err:  # the release itself is done; recovery folds what is left
+            log.warning("could not fold the record of released segment %s into %s (%s); it stays in info/ until "
+                        "the store is recovered", seg, self._ledger, err.strerror or err)
 
     def writers_waiting(self) -> bool:
         return bool(self.store._ls("budget/waiting"))
@@ -686,14 +745,6 @@ class SegmentConsumer:
         return any(_marker(n)[1] + 1 < st.reuse for c in st._ls("claimed") for n in st._ls(f"claimed/{c}"))
 
 
-def _blocks(path: Path) -> int:
-    """Allocated bytes of one file, as `du` counts them."""
-    try:
-        return os.stat(path).st_blocks * 512
-    except FileNotFoundError:
-        return 0
-
-
 def _probe_writable(path: Path) -> None:
     probe = path / f".probe-{os.getpid()}"
     try:
@@ -760,7 +811,7 @@ def _mismatch(stored: dict[str, Any], requested: dict[str, Any]) -> str | None:
 
 def _holds_nothing(path: Path) -> bool:
     """No segment was ever published, claimed or begun, and no writer holds a reservation."""
-    for rel in ("info", "segments", "ready", "done", "budget/reserved"):
+    for rel in ("info", "segments", "ready", "done", ledger.FOLDER, "budget/reserved"):
         d = path / rel
         if d.is_dir() and any(not n.startswith(".") for n in os.listdir(d)):
             return False
@@ -781,7 +832,7 @@ def _check_fingerprint(path: Path, manifest: dict[str, Any], requested: dict[str
         manifest = {**manifest, **requested}
         _write_json(path / "store.json", manifest)
         return manifest
-    published = len([n for n in os.listdir(path / "info") if not n.startswith(".")]) if (path / "info").is_dir() else 0
+    published = len(Store(path, manifest, manifest.get("budget", 0)).published())
     raise FingerprintMismatch(
         f"store {path} was made by another config: {why}; use another store.path, or delete the store "
         f"({published} segment(s) published in it)"
