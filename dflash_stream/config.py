@@ -99,6 +99,11 @@ class DataConfig(Section):
     """For `plan`: average tokens per sample (default: measured by `tune`, else max_length / 2)."""
 
 
+REPLAY_WINDOW_BYTES = 2 * 2**30
+"""Raw bytes of a kept store's segments that a replay (extract.from_store) decodes at once to reshuffle a later
+pass: all of a small store, a window of a large one; `plan` shows it as host RAM."""
+
+
 class ExtractConfig(Section):
     batch_tokens: int = Field(8192, ge=16)
     """Token budget of one forward batch, padding included."""

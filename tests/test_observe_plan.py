@@ -216,13 +216,12 @@ def test_plan_warns_when_the_reuse_window_is_below_what_bench_quality_found_good
 
 
 def test_plan_shows_the_host_memory_a_replay_holds():
-    from dflash_stream.config import load_config
+    from dflash_stream.config import REPLAY_WINDOW_BYTES, load_config
     from dflash_stream.observe.plan import build_plan, render_plan
-    from dflash_stream.pipeline.replay import WINDOW_BYTES
 
     plain = build_plan(load_config("configs/quality.yaml"))
     assert "replay" not in plain["buffer"]
     replaying = build_plan(load_config("configs/quality.yaml", ["--extract.from_store=/tmp/kept",
                                                                 "--train.epoch_source=reextract"]))
-    assert replaying["buffer"]["replay"] == {"from_store": "/tmp/kept", "host_bytes_per_extractor": WINDOW_BYTES}
+    assert replaying["buffer"]["replay"] == {"from_store": "/tmp/kept", "host_bytes_per_extractor": REPLAY_WINDOW_BYTES}
     assert "of decoded states in host RAM per extractor" in render_plan(replaying)

@@ -16,7 +16,7 @@ from typing import Any
 
 import yaml
 
-from dflash_stream.config import Config, ConfigError
+from dflash_stream.config import REPLAY_WINDOW_BYTES, Config, ConfigError
 from dflash_stream.observe.memory import ASSUMED_VOCAB, TargetDims, memory_plan, render_memory, target_dims
 from dflash_stream.observe.units import fmt_bytes, fmt_count, fmt_duration
 
@@ -321,12 +321,9 @@ def build_plan(cfg: Config, samples: int | None = None, mean_tokens: float | Non
         "window_samples": budget / volume["stored_bytes_per_sample"] if mean else None,
     }
     if cfg.extract.from_store:
-        # torch comes with the replay module: imported only for a replaying config.
-        from dflash_stream.pipeline.replay import WINDOW_BYTES
-
         # Later passes reshuffle what they replay: each extractor holds that much of decoded states at a time.
         buffer["replay"] = {"from_store": cfg.extract.from_store,
-                            "host_bytes_per_extractor": WINDOW_BYTES if passes > 1 else 0}
+                            "host_bytes_per_extractor": REPLAY_WINDOW_BYTES if passes > 1 else 0}
     if budget < min_budget:
         warnings.append(f"store.budget {fmt_bytes(budget)} is under the smallest workable budget "
                         f"({fmt_bytes(min_budget)}, one worst-case segment): opening the store will be refused")

@@ -5,7 +5,7 @@ again with another budget, codec or epoch order, with every run seeing the very 
 `bench quality` compares. The replay stands where the extractor stands (same writer id, same passes, same
 resume and redo of damaged segments), so trainers cannot tell the two apart. Pass 0 keeps the kept store's
 order; each later pass (`train.epoch_source: reextract`) reshuffles the data, as the extractor does: segments in
-a seeded order, and the samples of up to WINDOW_BYTES of them shuffled together.
+a seeded order, and the samples of up to REPLAY_WINDOW_BYTES of them shuffled together.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from dflash_stream.config import Config
+from dflash_stream.config import REPLAY_WINDOW_BYTES, Config
 from dflash_stream.data.report import DataReport
 from dflash_stream.errors import DFlashError
 from dflash_stream.log import get_logger, progress
@@ -33,9 +33,6 @@ from dflash_stream.store.store import FIELD_WORDS
 
 log = get_logger(__name__)
 
-WINDOW_BYTES = 2 * 2**30
-"""Raw bytes of kept segments decoded at once to reshuffle a later pass: all of a small store, a window of a
-large one."""
 SAME_FIELDS = ("target", "layer_ids", "hidden_size", "max_length", "tokenizer", "data_spec")
 """What the kept store and this run must share (the codec may differ: the states are coded anew)."""
 
@@ -177,9 +174,9 @@ class StoreReplay:
 
     def _windows(self, pass_index: int) -> Iterator[list[Sample]]:
         """Decoded samples of the kept segments: one segment at a time in pass 0, else a seeded order of them
-        gathered WINDOW_BYTES at a time."""
+        gathered REPLAY_WINDOW_BYTES at a time."""
         order = pass_order(self.segments, self.cfg.data.seed, pass_index)
-        limit = WINDOW_BYTES if pass_index else 0
+        limit = REPLAY_WINDOW_BYTES if pass_index else 0
         window: list[Sample] = []
         size = 0
         for info in order:
