@@ -58,8 +58,9 @@ def open_store(path: Path, codec: str = "lossless", budget: int = 10**9, reuse: 
 
 @pytest.fixture
 def small_chunks(monkeypatch):
-    """Several chunks per segment even for small test segments."""
+    """Several chunks per segment, and several blocks of rows per chunk split, even for small test segments."""
     monkeypatch.setattr(codecs, "PLANE_CHUNK_BYTES", 16 * WIDTH)
+    monkeypatch.setattr(codecs, "SPLIT_BLOCK_BYTES", 7 * 2 * HIDDEN)
 
 
 def round_trip(tmp_path: Path, codec: str, samples: list[Sample]):
@@ -190,14 +191,26 @@ def test_disk_bound_holds_for_a_largest_segment(tmp_path, codec):
     assert info.bytes <= sizes.disk_bound(MAX_RAW, tokens, WIDTH, store.block, codec)
 
 
+@pytest.mark.parametrize("codec", codecs.names())
 @pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan"), -float("nan")])
-def test_nan_is_rejected_with_the_sample_id(tmp_path, bad):
-    samples = make_samples([7, 8], [5, 5])
-    samples[1].hidden_states[2, 3] = bad
-    store = open_store(tmp_path / "s")
+def test_nan_is_rejected_with_the_sample_id(tmp_path, small_chunks, codec, bad):
+    samples = make_samples([7, 8, 9], [5, 40, 5])
+    samples[1].hidden_states[33, WIDTH - 1] = bad  # in a later chunk of the last layer
+    store = open_store(tmp_path / "s", codec)
     with pytest.raises(StoreError, match="sample 8: hidden_states hold NaN or Inf"):
         store.writer("w").write(samples)
     assert store.status()["reserved_bytes"] == 0 and not list((store.path / "segments").iterdir())
+
+
+def test_finite_values_beside_the_nan_exponent_are_stored_exactly(tmp_path, small_chunks):
+    """The lossless codec spots NaN and Inf by their high byte, which the finite values of 2**127 and above
+    share: those must still be stored, bit for bit."""
+    samples = make_samples([7, 8], [5, 40])
+    huge = torch.tensor([2.0**127, -3.0e38, 3.3e38], dtype=torch.bfloat16)
+    assert torch.isfinite(huge).all() and set(huge.view(torch.int16).bitwise_right_shift(8).bitwise_and(0x7F).tolist()) == {0x7F}
+    samples[1].hidden_states[30, :3] = huge
+    _, _, got = round_trip(tmp_path, "lossless", samples)
+    assert torch.equal(got[1].hidden_states.view(torch.int16), samples[1].hidden_states.view(torch.int16))
 
 
 def test_reuse_lifecycle_and_records_survive_deletion(tmp_path):
@@ -230,10 +243,12 @@ def test_reader_prefetches_and_ends_at_end_of_data(tmp_path):
     reader = SegmentReader(store.consumer("c"), prefetch=2)
 
     def produce():
-        for i in range(4):
-            w.write(make_samples([i], [8]))
-            time.sleep(0.05)
-        w.finish()
+        try:
+            for i in range(4):
+                w.write(make_samples([i], [8]))
+                time.sleep(0.05)
+        finally:  # a failed write must fail the test, not leave the reader waiting for more
+            w.finish()
 
     threading.Thread(target=produce).start()
     seen = [(claim.sample_ids, [s.sample_id for s in samples]) for claim, samples in reader]

@@ -73,7 +73,7 @@ def _aged_vs_fresh(aged: _Cycle, fresh: _Cycle, states: torch.Tensor, cycles: in
 
 
 def run_metadata(segments: int, as_json: bool) -> int:
-    from dflash_stream.store import Store
+    from dflash_stream.store import Store, lease
 
     work = Path(tempfile.mkdtemp(prefix="dflash-bench-metadata-"))
     try:
@@ -109,6 +109,7 @@ def run_metadata(segments: int, as_json: bool) -> int:
             "stored_sample_ids": {"samples": len(stored.get(0, ())), "read_ms": round(1e3 * resume_s, 3)},
         }
     finally:
+        lease.release_all()  # before the folder goes: its heartbeat would report the leases vanished
         shutil.rmtree(work, ignore_errors=True)
     if as_json:
         print(json.dumps(report))

@@ -11,9 +11,10 @@ chunk is stored as zarr's `zstd` then `crc32c` codecs would store it (or `crc32c
 segment as it is, while the store encodes and decodes the chunks itself, in parallel, straight between the
 states and the chunk files (zarr's codec pipeline costs more than the compression).
 
-- `lossless`: bf16 split into its two byte planes, both layer-major [K*T, D]: the states are gathered that way
-  (a copy the gather makes anyway), so that one Huffman table per zstd block sees one layer's narrow range of
-  exponents (measured 1.46x against 1.42x token-major). The high plane (sign, exponent, top mantissa bit) is
+- `lossless`: bf16 split into its two byte planes, both layer-major [K*T, D], so that one Huffman table per
+  zstd block sees one layer's narrow range of exponents (measured 1.46x against 1.42x token-major). Each chunk
+  coder takes its slab of a plane straight from the samples' token-major states (`LayerRows`): the segment is
+  never gathered into one buffer first. The high plane (sign, exponent, top mantissa bit) is
   zstd-coded with Huffman literals and almost no match search (see `zstd.py`); the low plane (low mantissa
   bits) is near-random, so it is stored as is. Bit-exact.
 - `fp8`: from each channel the segment's mean is subtracted (hidden states carry large per-channel offsets);
@@ -27,6 +28,7 @@ torch is imported only where a codec runs, so that `config` and `plan` can name 
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -108,16 +110,16 @@ class Codec:
     cores by until `tune` measures this target."""
     design_rate_note = "bench store per-core figure, SmolLM2 states on a 2-core AMD EPYC VM, measured under load"
 
-    layer_major = False
-    """`encode` takes the states as [K, T, D] rather than [T, K*D] (the gather transposes them for free)."""
+    layer_rows = False
+    """`encode` takes the states as `LayerRows` (not gathered) rather than one gathered array [T, K*D]."""
 
     def specs(self, tokens: int, width: int, num_layers: int) -> dict[str, ArraySpec]:
         raise NotImplementedError
 
-    def encode(self, bits: np.ndarray, num_layers: int) -> dict[str, np.ndarray | HighBytes]:
-        """The arrays' contents, shaped as in `specs` and cast to their dtype as C casts (or `HighBytes`).
-        Views where possible: the chunk coders copy each slab out in their own threads. `bits`: the bf16 states as
-        little-endian uint16, C-contiguous, [T, K*D] (or [K, T, D] where `layer_major`)."""
+    def encode(self, bits: np.ndarray | LayerRows, num_layers: int) -> dict[str, np.ndarray | BytePlane]:
+        """The arrays' contents, shaped as in `specs` and cast to their dtype as C casts (or `BytePlane`s).
+        Views where possible: the chunk coders copy each slab out in their own threads. `bits`: the bf16 states
+        as little-endian uint16, C-contiguous [T, K*D], or `LayerRows` where `layer_rows`."""
         raise NotImplementedError
 
     def decode(self, arrays: dict[str, np.ndarray], num_layers: int, map_fn: Mapper = map) -> torch.Tensor:
@@ -175,7 +177,7 @@ def _as_bf16(bits: np.ndarray) -> torch.Tensor:
 
 
 class Lossless(Codec):
-    name, design_ratio, exact, layer_major = "lossless", 1.44, True, True
+    name, design_ratio, exact, layer_rows = "lossless", 1.44, True, True
     design_encode_bytes_per_core_s, design_decode_bytes_per_core_s = 0.72e9, 1.35e9
 
     def specs(self, tokens: int, width: int, num_layers: int) -> dict[str, ArraySpec]:
@@ -183,11 +185,8 @@ class Lossless(Codec):
         return {"hidden_hi": ArraySpec((rows, hidden), plane_rows(rows, hidden), "uint8", level=zstd.FAST),
                 "hidden_lo": ArraySpec((rows, hidden), plane_rows(rows, hidden), "uint8", compress=False)}
 
-    def encode(self, bits: np.ndarray, num_layers: int) -> dict[str, np.ndarray | HighBytes]:
-        # The low plane is `bits` itself, cast to uint8 as each chunk is copied out; the high plane is shifted
-        # out of it the same way: either costs a third of a strided copy of every other byte.
-        rows = bits.reshape(-1, bits.shape[-1])
-        return {"hidden_hi": HighBytes(rows), "hidden_lo": rows}
+    def encode(self, bits: LayerRows, num_layers: int) -> dict[str, np.ndarray | BytePlane]:
+        return {"hidden_hi": bits.plane(high=True), "hidden_lo": bits.plane(high=False)}
 
     def decode(self, arrays: dict[str, np.ndarray], num_layers: int, map_fn: Mapper = map) -> torch.Tensor:
         hi, lo = arrays["hidden_hi"], arrays["hidden_lo"]
@@ -319,40 +318,118 @@ register(Fp8())
 register(Raw())
 
 
-# ---- one chunk ------------------------------------------------------------------------------------------------
+# ---- chunks ---------------------------------------------------------------------------------------------------
+SPLIT_BLOCK_BYTES = 256 << 10
+"""Words the plane split copies at a time: they stay in a core's cache for both planes' passes."""
+
+
+class NonFinite(ValueError):
+    """The states hold NaN or Inf."""
+
+
+def non_finite(words: np.ndarray) -> bool:
+    """Whether bf16 values given as uint16 words hold NaN or Inf: the words whose exponent bits are all ones,
+    0x7F80.. as int16 and 0xFF80.. unsigned (two max reductions, no temporary)."""
+    return bool(words.max() >= 0xFF80 or words.view(np.int16).max() >= 0x7F80)
+
+
 @dataclass(frozen=True)
-class HighBytes:
-    """An array's content given as the high byte of each uint16 of `words` (sliced along the first axis as
-    the array is): each chunk coder shifts its own slab out."""
+class LayerRows:
+    """The states of a segment's samples as layer-major rows [K*T, D] (row k*T + t: layer k of token t) of
+    uint16 words, without gathering them: slicing is lazy, and `split_to` fills a chunk's planes straight from
+    the samples' token-major states."""
 
-    words: np.ndarray
+    samples: tuple[np.ndarray, ...]
+    """Per sample its states as uint16 [T_i, K, D] (any strides)."""
+    starts: tuple[int, ...]
+    """The first token of each sample in the segment, and the segment's token count last."""
+    rows: range
 
-    def __getitem__(self, rows: slice) -> HighBytes:
-        return HighBytes(self.words[rows])
+    @classmethod
+    def of(cls, samples: list[np.ndarray], num_layers: int) -> LayerRows:
+        starts = tuple(np.concatenate([[0], np.cumsum([len(s) for s in samples])]).tolist())
+        parts = tuple(s.reshape(len(s), num_layers, -1) for s in samples)
+        return cls(parts, starts, range(num_layers * starts[-1]))
+
+    def plane(self, high: bool) -> BytePlane:
+        return BytePlane(self, high)
+
+    def __getitem__(self, rows: slice) -> LayerRows:
+        return LayerRows(self.samples, self.starts, self.rows[rows])
 
     def __len__(self) -> int:
-        return len(self.words)
+        return len(self.rows)
+
+    def split_to(self, high: np.ndarray | None, low: np.ndarray | None) -> None:
+        """The high and the low bytes of these rows into `high` and `low` (uint8 [n, D], either may be None),
+        reading each block of rows from the samples once: a copy into a buffer that stays in cache, then a
+        shift and a cast from there (either straight from the strided states costs twice as much). Raises
+        NonFinite if the rows hold NaN or Inf."""
+        tokens, done, row = self.starts[-1], 0, self.rows.start
+        width = self.samples[0].shape[-1]
+        block = np.empty((max(1, SPLIT_BLOCK_BYTES // (2 * width)), width), dtype=np.uint16)
+        while row < self.rows.stop:
+            layer, token = divmod(row, tokens)
+            i = bisect.bisect_right(self.starts, token) - 1
+            n = min(self.rows.stop - row, self.starts[i + 1] - token)
+            source = self.samples[i][token - self.starts[i]:token - self.starts[i] + n, layer]
+            for first in range(0, n, len(block)):
+                words = block[:min(len(block), n - first)]
+                out = slice(done + first, done + first + len(words))
+                np.copyto(words, source[first:first + len(words)])
+                if non_finite(words):
+                    raise NonFinite("NaN or Inf")
+                if low is not None:
+                    np.copyto(low[out], words, casting="unsafe")
+                np.right_shift(words, 8, out=words)
+                if high is not None:
+                    np.copyto(high[out], words, casting="unsafe")
+            done, row = done + n, row + n
 
 
-def encode_chunk(part: np.ndarray | HighBytes, spec: ArraySpec) -> memoryview:
-    """A chunk file's bytes from `part`, the chunk's slab of the array's content (any strides and integer
-    type; the last slab may be short and is padded with zarr's fill value, zero). The checksum is written
-    into the coded buffer's tail, so the file is written from that buffer without another copy."""
-    dtype = np.dtype(spec.dtype).newbyteorder("<")
-    if (spec.compress and isinstance(part, np.ndarray) and part.dtype == dtype and len(part) == spec.rows
-            and part.flags.c_contiguous):
-        chunk = part
-    else:
-        with stage("plane split"):  # the codec's views become this chunk's contiguous bytes
+@dataclass(frozen=True)
+class BytePlane:
+    """The high or the low bytes of some `LayerRows`, as an array's content: sliced as the array is."""
+
+    rows: LayerRows
+    high: bool
+
+    def __getitem__(self, rows: slice) -> BytePlane:
+        return BytePlane(self.rows[rows], self.high)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+
+def encode_chunks(parts: list[tuple[np.ndarray | BytePlane, ArraySpec]]) -> list[memoryview]:
+    """Chunk files' bytes, each from its chunk's slab of an array's content (any strides and integer type; a
+    last slab may be short and is padded with zarr's fill value, zero). Byte planes of the same rows are split
+    in one pass. The checksum is written into the coded buffer's tail, so the file is written from that buffer
+    without another copy. Raises NonFinite where the states hold NaN or Inf."""
+    chunks, planes = [], {}
+    with stage("plane split"):  # the codec's views become each chunk's contiguous bytes
+        for part, spec in parts:
+            dtype = np.dtype(spec.dtype).newbyteorder("<")
+            if (spec.compress and isinstance(part, np.ndarray) and part.dtype == dtype and len(part) == spec.rows
+                    and part.flags.c_contiguous):
+                chunks.append((part, None))
+                continue
             # Stored as is, the chunk is copied straight into the buffer the file is written from.
             size = math.prod(spec.chunks) * dtype.itemsize
             buf = np.empty(size + (0 if spec.compress else CHECKSUM_BYTES), dtype=np.uint8)
             chunk = buf[:size].view(dtype).reshape(spec.chunks)
-            if isinstance(part, HighBytes):
-                np.right_shift(part.words, 8, out=chunk[: len(part)], casting="unsafe")
+            if isinstance(part, BytePlane):
+                planes.setdefault(part.rows.rows, [part.rows, None, None])[1 if part.high else 2] = chunk[:len(part)]
             else:
                 np.copyto(chunk[: len(part)], part, casting="unsafe")
             chunk[len(part):] = 0
+            chunks.append((chunk, buf))
+        for rows, high, low in planes.values():
+            rows.split_to(high, low)
+    return [_code(chunk, buf, spec) for (chunk, buf), (_, spec) in zip(chunks, parts, strict=True)]
+
+
+def _code(chunk: np.ndarray, buf: np.ndarray | None, spec: ArraySpec) -> memoryview:
     if spec.compress:
         with stage("zstd"):
             buf, n = zstd.compress(chunk, CHECKSUM_BYTES, spec.level)

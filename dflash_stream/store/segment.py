@@ -101,29 +101,31 @@ def check_samples(samples: list[Sample], width: int) -> int:
     return total
 
 
-def _gather(samples: list[Sample], layers: int | None) -> np.ndarray:
-    """The samples' bf16 states as one little-endian uint16 array [T, K*D], or [K, T, D] with `layers` = K
-    (the copy is made anyway; its runs of D values cost about what a plain copy does). Raises StoreError
-    naming the first sample with NaN or Inf."""
+def _words(states: torch.Tensor) -> np.ndarray:
+    """bf16 states as little-endian uint16 words, a view."""
+    return states.view(torch.int16).numpy().view(np.uint16)
+
+
+def _non_finite(samples: list[Sample]) -> StoreError:
+    """The error naming the first sample with NaN or Inf (the caller found one)."""
+    bad = next((s for s in samples if not torch.isfinite(s.hidden_states).all()), samples[0])
+    return StoreError(f"sample {bad.sample_id}: hidden_states hold NaN or Inf; refusing to store them")
+
+
+def _gather(samples: list[Sample]) -> np.ndarray:
+    """The samples' bf16 states as one little-endian uint16 array [T, K*D]. Raises StoreError naming the first
+    sample with NaN or Inf."""
     ends = np.cumsum([len(s.input_ids) for s in samples]).tolist()
-    width = samples[0].hidden_states.shape[1]
-    bits = np.empty((ends[-1], width) if layers is None else (layers, ends[-1], width // layers), dtype="<u2")
+    bits = np.empty((ends[-1], samples[0].hidden_states.shape[1]), dtype="<u2")
 
     def copy(i: int) -> bool:
         with stage("gather"):
-            start, states = ends[i] - len(samples[i].input_ids), samples[i].hidden_states
-            source = states.view(torch.int16).numpy().view(np.uint16)
-            if layers is None:
-                rows = bits[start:ends[i]]
-            else:
-                rows, source = bits[:, start:ends[i]], source.reshape(len(source), layers, -1).transpose(1, 0, 2)
-            np.copyto(rows, source)
-            # NaN and Inf: the bf16 values whose exponent bits are all ones: 0x7F80.. as int16, 0xFF80.. unsigned.
-            return rows.max() >= 0xFF80 or rows.view(np.int16).max() >= 0x7F80
+            rows = bits[ends[i] - len(samples[i].input_ids):ends[i]]
+            np.copyto(rows, _words(samples[i].hidden_states))
+            return codecs.non_finite(rows)
 
-    for sample, bad in zip(samples, _run(copy, range(len(samples))), strict=True):
-        if bad:
-            raise StoreError(f"sample {sample.sample_id}: hidden_states hold NaN or Inf; refusing to store them")
+    if any(_run(copy, range(len(samples)))):
+        raise _non_finite(samples)
     return bits
 
 
@@ -148,15 +150,24 @@ def encode_segment(samples: list[Sample], codec: str, layer_ids: list[int], hidd
                   "layout": "tokens x (layers * hidden)", "layer_ids": list(layer_ids), "hidden_size": hidden_size}
     files = {"zarr.json": _json({"attributes": attributes, "zarr_format": 3, "node_type": "group"})}
     coder = codecs.get(codec)
-    bits = _gather(samples, len(layer_ids) if coder.layer_major else None)
+    if coder.layer_rows:
+        bits = codecs.LayerRows.of([_words(s.hidden_states) for s in samples], len(layer_ids))
+    else:
+        bits = _gather(samples)
     contents.update(coder.encode(bits, len(layer_ids)))
     tokens, width = len(contents["input_ids"]), samples[0].hidden_states.shape[1]
-    chunks = {}
-    for name, spec in segment_specs(codec, tokens, len(samples), width, len(layer_ids)).items():
+    layout = segment_specs(codec, tokens, len(samples), width, len(layer_ids))
+    for name, spec in layout.items():
         files[f"{name}/zarr.json"] = _json(_array_metadata(spec))
-        for i in range(spec.num_chunks):
-            chunks[f"{name}/{_chunk_key(spec, i)}"] = (contents[name][i * spec.rows:(i + 1) * spec.rows], spec)
-    files.update(zip(chunks, _run(lambda job: codecs.encode_chunk(*job), chunks.values()), strict=True))
+    # Job i codes chunk i of every array: the byte planes of the same rows are split from one read of them.
+    jobs = [{f"{name}/{_chunk_key(spec, i)}": (contents[name][i * spec.rows:(i + 1) * spec.rows], spec)
+             for name, spec in layout.items() if i < spec.num_chunks}
+            for i in range(max(spec.num_chunks for spec in layout.values()))]
+    try:
+        for job, coded in zip(jobs, _run(lambda job: codecs.encode_chunks(list(job.values())), jobs), strict=True):
+            files.update(zip(job, coded, strict=True))
+    except codecs.NonFinite:
+        raise _non_finite(samples) from None
     return files
 
 
