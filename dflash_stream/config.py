@@ -99,6 +99,11 @@ class DataConfig(Section):
     """For `plan`: average tokens per sample (default: measured by `tune`, else max_length / 2)."""
 
 
+READER_PREFETCH = 2
+"""Decoded segments a trainer's reader keeps ready ahead of training."""
+HOLD_BATCHES = 4
+"""Batches' worth of tokens that may queue behind a sample in the trainer's token batcher before its length
+bucket's queue moves up (drafter/batches.py)."""
 REPLAY_WINDOW_BYTES = 2 * 2**30
 """Raw bytes of a kept store's segments that a replay (extract.from_store) decodes at once to reshuffle a later
 pass: all of a small store, a window of a large one; `plan` shows it as host RAM."""

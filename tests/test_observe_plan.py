@@ -225,3 +225,32 @@ def test_plan_shows_the_host_memory_a_replay_holds():
                                                                 "--train.epoch_source=reextract"]))
     assert replaying["buffer"]["replay"] == {"from_store": "/tmp/kept", "host_bytes_per_extractor": REPLAY_WINDOW_BYTES}
     assert "of decoded states in host RAM per extractor" in render_plan(replaying)
+
+
+def test_plan_counts_the_host_memory_of_each_role():
+    """The headline job: an extractor holds queue_size + 2 forward batches of states, the segment it fills and
+    that segment coded; a trainer whole decoded segments (see the store test that one sample keeps its
+    segment). Both grow with the knobs the plan names."""
+    from dflash_stream.config import HOLD_BATCHES, MAX_LENGTH_BUCKETS, READER_PREFETCH, load_config
+    from dflash_stream.observe.plan import build_plan, render_plan
+
+    cfg = load_config("configs/qwen3.6-27b-4gpu.yaml")
+    plan = build_plan(cfg)
+    host, width = plan["host_memory"], 5 * 5120
+    segment = int(cfg.store.segment_bytes)
+    extractor = host["extractor"]["parts"]
+    assert extractor["captured_batches"] == (cfg.extract.queue_size + 2) * cfg.extract.batch_tokens * 2 * width
+    assert extractor["segment_being_filled"] == segment
+    assert extractor["coded_segment"] == pytest.approx(segment / plan["volume"]["ratio"], rel=1e-6)
+    trainer = host["trainer"]
+    per_token = 2 * width + 5
+    held = math.ceil((HOLD_BATCHES + 1) * cfg.train.batch_tokens * per_token / segment) + MAX_LENGTH_BUCKETS
+    assert trainer["segments_held_by_batcher"] == held
+    assert trainer["total_bytes"] == (READER_PREFETCH + 1 + held) * segment
+    assert 10 * 2**30 < host["extractor"]["total_bytes"] < 12 * 2**30  # 11.1 GiB, mostly pinned batches
+    assert "host memory per process" in render_plan(plan)
+
+    smaller = build_plan(load_config("configs/qwen3.6-27b-4gpu.yaml", ["--store.segment_bytes=256MiB",
+                                                                       "--extract.queue_size=1"]))["host_memory"]
+    assert smaller["extractor"]["total_bytes"] < host["extractor"]["total_bytes"] / 2
+    assert smaller["trainer"]["total_bytes"] < host["trainer"]["total_bytes"] / 2

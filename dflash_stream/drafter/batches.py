@@ -16,12 +16,11 @@ from typing import Protocol
 
 import torch
 
+from dflash_stream.config import HOLD_BATCHES
 from dflash_stream.drafter.shapes import Shape, ShapePlan
 
-HOLD_BATCHES = 4
-"""Batches' worth of tokens that may queue behind a sample before its bucket's queue moves up. It bounds how
-long a segment stays unfinished (so unreleasable) because one of its samples waits in a rare bucket: at most
-one such period per bucket."""
+# HOLD_BATCHES bounds how long a segment stays unfinished (so unreleasable, and held in host memory) because one
+# of its samples waits in a rare bucket: at most one such period per bucket. `plan` counts it (config.py).
 
 
 class SampleLike(Protocol):

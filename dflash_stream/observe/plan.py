@@ -268,6 +268,7 @@ def build_plan(cfg: Config, samples: int | None = None, mean_tokens: float | Non
                processes: int | None = None, launch_file: str | None = None,
                gpu_memory: int | None = None) -> dict[str, Any]:
     """The whole plan as plain data (what `plan --json` prints)."""
+    from dflash_stream.observe.host_memory import host_memory
     from dflash_stream.observe.store_cores import store_cores
     from dflash_stream.store import codecs, sizes
     from dflash_stream.target_model import resolve_layer_ids
@@ -381,6 +382,7 @@ def build_plan(cfg: Config, samples: int | None = None, mean_tokens: float | Non
         "volume": volume, "buffer": buffer, "disk": disk, "time": time_plan, "roles": roles, "memory": memory,
         "epochs": _epoch_costs(cfg, time_plan, volume, tokens),
         "store_cores": store_cores(codec, width, time_plan, tune),
+        "host_memory": host_memory(cfg, width, ratio),
         "warnings": warnings,
     }
 
@@ -561,6 +563,7 @@ def _fmt_share(share: float | None) -> str:
 
 def render_plan(plan: dict[str, Any]) -> str:
     """The plan as a terminal page."""
+    from dflash_stream.observe.host_memory import render_host_memory
     from dflash_stream.observe.store_cores import render_store_cores
 
     t, d, v, b, disk, tp = (plan[k] for k in ("target", "data", "volume", "buffer", "disk", "time"))
@@ -600,6 +603,7 @@ def render_plan(plan: dict[str, Any]) -> str:
         out.append(f"  {disk['offline_note']}")
     out += render_disk(disk)
     out += ["", *render_memory(plan["memory"])]
+    out += ["", *render_host_memory(plan["host_memory"])]
     out += ["", *_render_roles(plan["launch"], plan["roles"])]
     mode = "extractors and trainers side by side" if tp["overlapped"] else "one process alternates"
     out += ["", f"time  ({tp['processes']} process(es), {mode})"]

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
 
-from dflash_stream.config import MAX_LENGTH_BUCKETS, Config, load_config
+from dflash_stream.config import MAX_LENGTH_BUCKETS, READER_PREFETCH, Config, load_config
 from dflash_stream.diskfull import retry_when_full
 from dflash_stream.drafter.batches import Member, TokenBatcher, collate
 from dflash_stream.drafter.shapes import CompileWatch, ShapePlan, fixed_shapes_on
@@ -123,7 +123,7 @@ class Trainer:
 
         self._resume(resume)
         self.consumer = self.position.consumer
-        self.reader = SegmentReader(self.consumer, prefetch=2)
+        self.reader = SegmentReader(self.consumer, prefetch=READER_PREFETCH)
         self.bar = progress(total=self.schedule.total_steps, initial=self.steps, desc="train", unit="step")
 
     # ---------------------------------------------------------------- checkpoint state

@@ -1,0 +1,57 @@
+"""Host memory per role: the hidden states each process holds in RAM beside its own runtime (Python, torch,
+the CUDA context), counted from the buffers the code keeps at the configured sizes.
+
+- extractor: forward batches' captured states waiting to be packed (`extract.queue_size` queued, one being
+  copied off the device and one being packed; on CUDA in pinned memory, which torch's host allocator keeps
+  once allocated), the segment being filled (copies of its samples' states), and that segment's coded files,
+  encoded in memory before they are written; a replay of a kept store adds its reshuffle window.
+- trainer: decoded segments: `READER_PREFETCH` ready, one being decoded, and those whose samples wait in the
+  token batcher. A queued sample's states are a view of its segment's decoded buffer, so one sample keeps its
+  whole segment: HOLD_BATCHES + 1 batches' worth of queued tokens, plus one segment per length bucket for a
+  sample left behind in a bucket that fills slowly.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from dflash_stream.config import (
+    HOLD_BATCHES,
+    MAX_LENGTH_BUCKETS,
+    READER_PREFETCH,
+    REPLAY_WINDOW_BYTES,
+    Config,
+)
+from dflash_stream.observe.units import fmt_bytes
+from dflash_stream.store import sizes
+
+
+def host_memory(cfg: Config, width: int, ratio: float) -> dict[str, Any]:
+    """Bytes of host RAM each role holds at most for hidden states, part by part; `width` = K*D, `ratio` the
+    codec's compression (raw over stored)."""
+    per_token = sizes.raw_bytes_per_token(width)
+    segment = sizes.max_segment_raw_bytes(int(cfg.store.segment_bytes), cfg.data.max_length, width)
+    states_per_batch = cfg.extract.batch_tokens * (per_token - sizes.IDS_MASK_BYTES_PER_TOKEN)
+    extractor = {"captured_batches": (cfg.extract.queue_size + 2) * states_per_batch,
+                 "segment_being_filled": segment, "coded_segment": int(segment / ratio)}
+    if cfg.extract.from_store and cfg.extraction_passes > 1:
+        extractor["replay_window"] = REPLAY_WINDOW_BYTES
+    buckets = len(cfg.train.length_buckets) if cfg.train.length_buckets else MAX_LENGTH_BUCKETS
+    queued = math.ceil((HOLD_BATCHES + 1) * cfg.train.batch_tokens * per_token / segment) + buckets
+    trainer = {"decoded_ahead": (READER_PREFETCH + 1) * segment, "held_by_batcher": queued * segment}
+    return {
+        "extractor": {"total_bytes": sum(extractor.values()), "parts": extractor},
+        "trainer": {"total_bytes": sum(trainer.values()), "parts": trainer, "segments_held_by_batcher": queued},
+        "knobs": "store.segment_bytes, extract.queue_size, extract.batch_tokens",
+    }
+
+
+def render_host_memory(host: dict[str, Any]) -> list[str]:
+    out = [f"host memory per process  (hidden states held in RAM, beside the process's own runtime; lower it "
+           f"with {host['knobs']})"]
+    for role in ("extractor", "trainer"):
+        r = host[role]
+        parts = ", ".join(f"{name.replace('_', ' ')} {fmt_bytes(n)}" for name, n in r["parts"].items())
+        out.append(f"  {role:<10} up to {fmt_bytes(r['total_bytes']):>10}  ({parts})")
+    return out
