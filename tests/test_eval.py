@@ -20,7 +20,7 @@ from dflash_stream.drafter import (
 from dflash_stream.drafter.evaluate import Evaluator, _stderr, read_prompts, render_prompt, stop_token_ids
 from dflash_stream.drafter.head import TargetHead
 from dflash_stream.drafter.speculative import greedy_generate, speculative_generate
-from dflash_stream.target_model import load_target_config
+from dflash_stream.target_model import model_shape, target_shape
 
 LAYERS = [1, 3, 5]
 PROMPTS = [
@@ -61,7 +61,7 @@ def make_cfg(target_dir):
 @pytest.fixture(scope="module")
 def setup(chaotic_target_dir, tmp_path_factory):
     cfg = make_cfg(chaotic_target_dir)
-    spec = build_spec(cfg, load_target_config(cfg.target), LAYERS)
+    spec = build_spec(cfg, target_shape(cfg.target, count=False), LAYERS)
     torch.manual_seed(0)
     drafter = DFlashDrafter(spec)
     untrained = export_drafter(drafter, spec, tmp_path_factory.mktemp("untrained"))
@@ -213,7 +213,7 @@ def test_real_target_output_is_identical(demo_model, real_target):
         "data": {"sources": [{"path": "unused.jsonl"}]}, "store": {"path": "unused", "budget": "1GB"},
         "drafter": {"num_layers": 1, "block_size": 8},
     })
-    spec = build_spec(cfg, target.config, [1, 7, 14, 20, 27], tokenizer)
+    spec = build_spec(cfg, model_shape(target), [1, 7, 14, 20, 27], tokenizer)
     torch.manual_seed(0)
     drafter = DFlashDrafter(spec).eval()
     head = TargetHead.from_model(target)

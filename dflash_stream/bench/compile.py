@@ -169,7 +169,7 @@ def compile_run(cfg: Config, device: torch.device, *, backward: bool, min_batche
     from dflash_stream.drafter import DFlashDrafter, TargetHead, build_spec, dflash_loss
     from dflash_stream.drafter import model as drafter_model
     from dflash_stream.pipeline.common import store_layout
-    from dflash_stream.target_model import load_target_config
+    from dflash_stream.target_model import target_shape
     from dflash_stream.target_model.loading import model_location
 
     layer_ids, hidden = store_layout(cfg)
@@ -179,7 +179,7 @@ def compile_run(cfg: Config, device: torch.device, *, backward: bool, min_batche
     width = len(layer_ids) * hidden
     segment_tokens = max(1, int(cfg.store.segment_bytes) // (2 * width))
     result = wastes(cfg, samples, segment_tokens, min_batches)
-    spec = build_spec(cfg, load_target_config(cfg.target), layer_ids, tokenizer)
+    spec = build_spec(cfg, target_shape(cfg.target, count=False), layer_ids, tokenizer)
     spec = replace(spec, vocab_size=HEAD_ROWS, mask_token_id=HEAD_ROWS - 1)
     drafter = DFlashDrafter(spec, attention="flex").to(device)
     head = TargetHead(torch.randn(HEAD_ROWS, hidden, device=device) * 0.02)

@@ -26,7 +26,8 @@ from dflash_stream.pipeline.common import open_store
 from dflash_stream.pipeline.roles import RoleInfo
 from dflash_stream.target_model.capture import LayerCapture
 from dflash_stream.target_model.layers import resolve_layer_ids
-from dflash_stream.target_model.loading import load_target, resolve_device, text_config
+from dflash_stream.target_model.loading import load_target, resolve_device
+from dflash_stream.target_model.shape import model_shape
 
 TARGETS = {"speedup": 1.25, "store_wait_fraction": 0.05}
 
@@ -78,8 +79,8 @@ def bench_extract(args: argparse.Namespace) -> int:
     })
     device = resolve_device(cfg.target)
     model, tokenizer = load_target(cfg.target, device)
-    shape = text_config(model)
-    layer_ids = resolve_layer_ids(shape.num_hidden_layers, cfg.target)
+    shape = model_shape(model)
+    layer_ids = resolve_layer_ids(shape.num_layers, cfg.target)
     samples, _ = prepare_shard(cfg, tokenizer, 0, 1)
     batches = _batches(samples, args.batch_tokens)
     tokens = sum(s.num_tokens for s in samples)
@@ -112,7 +113,7 @@ def bench_extract(args: argparse.Namespace) -> int:
         "device": str(device),
         "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
         "layer_ids": layer_ids,
-        "num_layers": shape.num_hidden_layers,
+        "num_layers": shape.num_layers,
         "samples": len(samples),
         "tokens": tokens,
         "batch_tokens": args.batch_tokens,

@@ -195,12 +195,12 @@ def heldout_score(drafter_dir: Path | None, head, heldout: list, cfg: Config) ->
     from dflash_stream.drafter import DFlashDrafter, build_spec, dflash_loss
     from dflash_stream.drafter.batches import Member, collate
     from dflash_stream.drafter.export import load_drafter
-    from dflash_stream.target_model import load_target_config, resolve_layer_ids
+    from dflash_stream.target_model import resolve_layer_ids, target_shape
 
     if drafter_dir is None:
-        target = load_target_config(cfg.target)
+        target = target_shape(cfg.target, count=False)
         torch.manual_seed(0)
-        spec = build_spec(cfg, target, resolve_layer_ids(target.num_hidden_layers, cfg.target))
+        spec = build_spec(cfg, target, resolve_layer_ids(target.num_layers, cfg.target))
         drafter = DFlashDrafter(spec, attention="sdpa")
     else:
         drafter, spec = load_drafter(drafter_dir, "cpu")

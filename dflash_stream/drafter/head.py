@@ -10,14 +10,16 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dflash_stream.config import ConfigError, TargetConfig
-from dflash_stream.target_model.loading import load_target_config, model_location
+from dflash_stream.target_model.loading import model_location
+from dflash_stream.target_model.shape import model_shape, target_shape
 
 
 class TargetHead(nn.Module):
     """Frozen `embed` (token ids -> target embeddings) and `logits` (hidden -> vocabulary), shared when tied."""
 
-    def __init__(self, embed_weight: Tensor, lm_head_weight: Tensor | None = None) -> None:
+    def __init__(self, embed_weight: Tensor, lm_head_weight: Tensor | None = None, embed_scale: float = 1.0) -> None:
         super().__init__()
+        self.embed_scale = embed_scale
         self.embed_weight = nn.Parameter(embed_weight, requires_grad=False)
         self.lm_head_weight = (
             self.embed_weight if lm_head_weight is None else nn.Parameter(lm_head_weight, requires_grad=False)
@@ -28,10 +30,15 @@ class TargetHead(nn.Module):
         """Shares the tensors of an already loaded transformers model (no copy)."""
         embed = model.get_input_embeddings().weight
         head = model.get_output_embeddings().weight
-        return cls(embed.detach(), None if head is embed else head.detach())
+        return cls(embed.detach(), None if head is embed else head.detach(), model_shape(model).embed_scale)
 
     def embed(self, ids: Tensor) -> Tensor:
-        return F.embedding(ids, self.embed_weight)
+        """The target's input embeddings as its own embedding module gives them (Gemma scales by sqrt(hidden) in
+        the weight's dtype; serving engines feed the drafter the same)."""
+        rows = F.embedding(ids, self.embed_weight)
+        if self.embed_scale != 1.0:
+            rows = rows * torch.tensor(self.embed_scale, dtype=rows.dtype)
+        return rows
 
     def logits(self, hidden: Tensor) -> Tensor:
         # Casting the activations, not the [vocab, D] weight, keeps a bf16 head from being copied every call.
@@ -95,12 +102,10 @@ def _from_safetensors(location: str, revision: str | None, tied: bool) -> tuple[
 def load_target_head(target: TargetConfig, device: torch.device | str, dtype: torch.dtype = torch.float32) -> TargetHead:
     """The target's embedding and LM head, honouring `tie_word_embeddings`, as a frozen module on `device`."""
     location, kwargs = model_location(target)
+    shape = target_shape(target, download=True, hints=False, count=False)
     if target.gguf_file:
         embed, head = _from_gguf(Path(location) / kwargs["gguf_file"])
     else:
-        config = load_target_config(target)
-        text = config.get_text_config() if hasattr(config, "get_text_config") else config
-        tied = bool(getattr(text, "tie_word_embeddings", getattr(config, "tie_word_embeddings", False)))
-        embed, head = _from_safetensors(location, target.revision, tied)
+        embed, head = _from_safetensors(location, target.revision, shape.tie_word_embeddings)
     convert = {"device": device, "dtype": dtype}
-    return TargetHead(embed.to(**convert), None if head is None else head.to(**convert))
+    return TargetHead(embed.to(**convert), None if head is None else head.to(**convert), shape.embed_scale)

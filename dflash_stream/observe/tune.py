@@ -110,9 +110,9 @@ def _train(cfg: Config, model, tokenizer, layer_ids: list[int], samples: list[Pr
     from dflash_stream.drafter.batches import TokenBatcher, collate
     from dflash_stream.drafter.shapes import ShapePlan, fixed_shapes_on
     from dflash_stream.store.segment import StoredSample
-    from dflash_stream.target_model import text_config
+    from dflash_stream.target_model import model_shape
 
-    spec = build_spec(cfg, text_config(model), layer_ids, tokenizer)
+    spec = build_spec(cfg, model_shape(model), layer_ids, tokenizer)
     drafter = DFlashDrafter(spec, attention=cfg.drafter.attention).to(device)
     head = TargetHead.from_model(model)
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=cfg.train.lr)
@@ -181,14 +181,14 @@ def _device_name(device: torch.device) -> str:
 def run_tune(cfg: Config, num_samples: int, train_steps: int) -> dict[str, Any]:
     """Measure, recommend, write OUTPUT/tune.json, print the findings; the measurements."""
     from dflash_stream.store import sizes
-    from dflash_stream.target_model import load_target, resolve_device, resolve_layer_ids, text_config
+    from dflash_stream.target_model import load_target, model_shape, resolve_device, resolve_layer_ids
 
     if num_samples < 1 or train_steps < 1:
         raise ConfigError("tune: --samples and --train-steps must be at least 1")
     device = resolve_device(cfg.target)
     model, tokenizer = load_target(cfg.target, device)
-    tc = text_config(model)
-    layer_ids = resolve_layer_ids(tc.num_hidden_layers, cfg.target)
+    tc = model_shape(model)
+    layer_ids = resolve_layer_ids(tc.num_layers, cfg.target)
     samples = _samples(cfg, tokenizer, model, num_samples)
     states, extract_tok_s = _extract(model, layer_ids, samples, cfg.extract.batch_tokens, tokenizer.pad_token_id, device)
     compression = _compression(samples, states, layer_ids, tc.hidden_size)

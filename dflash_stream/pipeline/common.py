@@ -49,10 +49,10 @@ def data_spec_detail(cfg: Config) -> dict[str, Any]:
 
 def store_layout(cfg: Config) -> tuple[list[int], int]:
     """(layer ids, hidden size) of the states this run stores, from the target's config alone."""
-    from dflash_stream.target_model import load_target_config, resolve_layer_ids
+    from dflash_stream.target_model import resolve_layer_ids, target_shape
 
-    target_config = load_target_config(cfg.target)
-    return resolve_layer_ids(target_config.num_hidden_layers, cfg.target), target_config.hidden_size
+    shape = target_shape(cfg.target, download=True, hints=False, count=False)
+    return resolve_layer_ids(shape.num_layers, cfg.target), shape.hidden_size
 
 
 def store_fingerprint(cfg: Config, layer_ids: list[int], hidden_size: int) -> dict[str, Any]:

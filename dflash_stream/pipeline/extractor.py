@@ -37,7 +37,7 @@ from dflash_stream.pipeline.packing import SegmentPacker
 from dflash_stream.pipeline.roles import RoleInfo, assign_uniform
 from dflash_stream.preflight import check_run_paths
 from dflash_stream.store import Sample, Store, lease, sizes
-from dflash_stream.target_model import load_target, resolve_device, resolve_layer_ids, text_config
+from dflash_stream.target_model import load_target, model_shape, resolve_device, resolve_layer_ids
 from dflash_stream.target_model.capture import LayerCapture
 from dflash_stream.target_model.host_copy import HostCopier
 from dflash_stream.target_model.regenerate import ResponseCache, generate_responses
@@ -144,8 +144,8 @@ class Extractor:
                  target: tuple[Any, Any] | None = None) -> None:
         self.cfg, self.role, self.store, self.metrics, self.device = cfg, role, store, metrics, device
         self.model, self.tokenizer = target if target is not None else load_target(cfg.target, device)
-        shape = text_config(self.model)
-        self.layer_ids = resolve_layer_ids(shape.num_hidden_layers, cfg.target)
+        shape = model_shape(self.model)
+        self.layer_ids = resolve_layer_ids(shape.num_layers, cfg.target)
         self.capture = LayerCapture(self.model, self.layer_ids)
         self._host = HostCopier(device)
         self.samples, self.report = prepare_shard(cfg, self.tokenizer, role.index, role.count)

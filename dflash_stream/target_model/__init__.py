@@ -8,10 +8,11 @@ from dflash_stream.target_model.loading import (
     resolve_device,
     resolve_dtype,
     stop_token_ids,
-    text_config,
 )
+from dflash_stream.target_model.shape import TargetShape, model_shape, shape_from_config, target_shape
 
 __all__ = [
     "dflash_layer_ids", "load_target", "load_target_config", "model_location", "resolve_device",
-    "resolve_dtype", "resolve_layer_ids", "stop_token_ids", "text_config",
+    "resolve_dtype", "resolve_layer_ids", "stop_token_ids", "TargetShape", "model_shape", "shape_from_config",
+    "target_shape",
 ]

@@ -1,0 +1,75 @@
+"""Tiny random-weight targets of every family DFlash drafters are published for, built from transformers' own
+config classes (no download) and saved like hub checkpoints: the class a hub checkpoint of that family is
+saved as (VLM wrappers included), safetensors, and the demo tokenizer beside it."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+VOCAB = 49152  # the demo tokenizer's
+# Small enough to run a whole `run` in seconds, deep enough for 3 distinct DFlash layer ids (1, L//2, L-3).
+TEXT = {"vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 6,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 2048,
+        "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2}
+MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
+GDN = {"linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
+       "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4, "full_attention_interval": 3}
+WINDOW = 16  # sliding windows far shorter than the prompts, so that eval must roll windowed caches back
+
+
+def _drop(d: dict[str, Any], *keys: str) -> dict[str, Any]:
+    return {k: v for k, v in d.items() if k not in keys}
+
+
+FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
+    # name: (model_type, config kwargs); wrappers take the text settings under text_config.
+    "llama": ("llama", _drop(TEXT, "head_dim")),
+    "qwen3": ("qwen3", TEXT),
+    "qwen3_moe": ("qwen3_moe", {**TEXT, **MOE}),
+    "glm4_moe": ("glm4_moe", {**_drop(TEXT, "head_dim"), "n_routed_experts": 4, "num_experts_per_tok": 2,
+                              "moe_intermediate_size": 32, "first_k_dense_replace": 1, "n_group": 1,
+                              "topk_group": 1, "n_shared_experts": 1}),
+    "gpt_oss": ("gpt_oss", {**TEXT, "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": WINDOW,
+                            "intermediate_size": 32}),
+    "deepseek_v3": ("deepseek_v3", {**_drop(TEXT, "head_dim"), "num_key_value_heads": 4, "n_routed_experts": 4, "num_experts_per_tok": 2,
+                                    "moe_intermediate_size": 32, "first_k_dense_replace": 1, "n_group": 1,
+                                    "topk_group": 1, "kv_lora_rank": 16, "q_lora_rank": 32,
+                                    "qk_rope_head_dim": 16, "qk_nope_head_dim": 32, "v_head_dim": 32}),
+    "qwen3_5": ("qwen3_5", {"text_config": {**TEXT, **GDN}, "vision_config": {"depth": 1, "hidden_size": 32,
+                            "intermediate_size": 32, "num_heads": 2, "out_hidden_size": 64}}),
+    "qwen3_5_moe": ("qwen3_5_moe", {"text_config": {**TEXT, **GDN, **MOE, "shared_expert_intermediate_size": 32},
+                                    "vision_config": {"depth": 1, "hidden_size": 32, "num_heads": 2,
+                                                      "out_hidden_size": 64}}),
+    "gemma3": ("gemma3", {"text_config": {**TEXT, "sliding_window": WINDOW, "sliding_window_pattern": 2},
+                          "vision_config": {"hidden_size": 32, "intermediate_size": 32, "num_hidden_layers": 1,
+                                            "num_attention_heads": 2, "image_size": 28, "patch_size": 14},
+                          "mm_tokens_per_image": 4}),
+    "qwen3_5_text": ("qwen3_5_text", {**TEXT, **GDN}),
+    "qwen3_next": ("qwen3_next", {**TEXT, **GDN, **MOE, "shared_expert_intermediate_size": 32}),
+    "mistral": ("mistral", {**TEXT, "sliding_window": WINDOW}),
+    "gemma3_text": ("gemma3_text", {**TEXT, "sliding_window": WINDOW, "sliding_window_pattern": 2}),
+}
+
+
+def build_config(family: str) -> Any:
+    from transformers import AutoConfig
+
+    model_type, kwargs = FAMILIES[family]
+    return AutoConfig.for_model(model_type, **kwargs)
+
+
+def save_target(family: str, out: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
+    """The family's tiny model saved as its hub checkpoints are: a wrapper class where the hub has one."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    config = build_config(family)
+    torch.manual_seed(seed)
+    wrapped = config.get_text_config() is not config
+    model = (AutoModelForImageTextToText if wrapped else AutoModelForCausalLM).from_config(config)
+    model.save_pretrained(out, safe_serialization=True)
+    for item in tokenizer_dir.iterdir():
+        shutil.copy(item, out / item.name)
+    return out

@@ -1,0 +1,97 @@
+"""Every target family DFlash drafters are published for, end to end: plan, run (regenerate, extract, train,
+export, eval) and audit on tiny random-weight models built from transformers' config classes and saved as their
+hub checkpoints are (VLM wrappers included); and captured states of a padded batch equal each sample alone."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from target_families import FAMILIES, save_target
+from test_pipeline import write_run_config
+
+from dflash_stream.cli import main
+from dflash_stream.config import TargetConfig
+from dflash_stream.drafter.export import load_drafter
+from dflash_stream.pipeline.audit import audit_run
+from dflash_stream.target_model import load_target, resolve_layer_ids, target_shape
+from dflash_stream.target_model.capture import LayerCapture
+
+DEMO_DATA = Path(__file__).parent.parent / "dflash_stream" / "demo_data"
+FAST = ("qwen3_5", "qwen3_next")  # the headline target as saved (a VLM wrapper), and a hybrid text model
+PARAMS = [pytest.param(f, marks=() if f in FAST else pytest.mark.slow) for f in FAMILIES]
+LAYER_KINDS = {
+    "qwen3_5": {"linear_attention": 4, "full_attention": 2},
+    "qwen3_next": {"linear_attention": 4, "full_attention": 2},
+    "gemma3": {"sliding_attention": 3, "full_attention": 3},
+    "mistral": {"sliding_attention": 6},
+    "llama": {"full_attention": 6},
+}
+
+
+@pytest.fixture(scope="module")
+def targets(demo_tokenizer_dir, tmp_path_factory) -> dict[str, Path]:
+    """Each family saved once per module, lazily."""
+    root = tmp_path_factory.mktemp("families")
+
+    class Lazy(dict):
+        def __missing__(self, family: str) -> Path:
+            self[family] = save_target(family, root / family, demo_tokenizer_dir)
+            return self[family]
+
+    return Lazy()
+
+
+@pytest.mark.parametrize("family", PARAMS)
+def test_family_plans_runs_exports_evaluates_and_audits(family, targets, tmp_path, capsys):
+    target = targets[family]
+    config = write_run_config(
+        tmp_path, target, rows=12, **{
+            "data.regenerate": True, "data.generation": {"max_new_tokens": 24, "batch_size": 4},
+            "data.min_supervised_tokens": 4, "data.max_length": 80, "train.epochs": 1,
+            "eval.prompts": str(DEMO_DATA / "heldout_prompts.jsonl"), "eval.num_prompts": 2,
+            "eval.max_new_tokens": 24,
+        })
+    assert main(["plan", "--config", str(config), "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["target"]["num_layers"] == 6 and plan["target"]["hidden_size"] == 64
+    assert plan["target"]["model_type"] == FAMILIES[family][0]
+    assert sum(plan["target"]["layer_types"].values()) == 6
+    if family in LAYER_KINDS:
+        assert plan["target"]["layer_types"] == LAYER_KINDS[family]
+    assert 0 < plan["target"]["active_parameters"] <= plan["target"]["num_parameters"]
+
+    assert main(["run", "--config", str(config)]) == 0
+    out = tmp_path / "out"
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["samples_trained"] == summary["samples_extracted"] > 0
+    assert summary["eval"]["matches_target"] is True, summary["eval"]
+    assert audit_run(out)["ok"]
+    _, spec = load_drafter(summary["export"])
+    assert spec.hidden_size == 64 and spec.target_layer_ids == [1, 2, 3]
+    # The drafter's heads are as wide as the target's (MLA: its value heads, not the narrow RoPE part).
+    assert spec.head_dim == (32 if family == "deepseek_v3" else 16)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_padded_batch_captures_each_sample_as_alone(family, targets):
+    """Right padding (the extractor's) must not leak into a sample's states, recurrent and windowed layers
+    included: float32 outputs of every captured layer agree with the sample run alone."""
+    cfg = TargetConfig(model=str(targets[family]), dtype="float32", device="cpu", num_capture_layers=3)
+    model, tokenizer = load_target(cfg, torch.device("cpu"))
+    layer_ids = resolve_layer_ids(target_shape(cfg).num_layers, cfg)
+    capture = LayerCapture(model, layer_ids)
+    gen = torch.Generator().manual_seed(1)
+    lengths = [37, 9, 22]  # longer and shorter than the sliding windows
+    rows = [torch.randint(3, 49152, (n,), generator=gen) for n in lengths]
+    ids = torch.full((3, max(lengths)), tokenizer.pad_token_id)
+    mask = torch.zeros_like(ids)
+    for i, row in enumerate(rows):
+        ids[i, : len(row)], mask[i, : len(row)] = row, 1
+    batched = capture(ids, mask)
+    for i, row in enumerate(rows):
+        alone = capture(row[None], torch.ones(1, len(row), dtype=torch.long))[0]
+        # Captured as bf16: equal float32 states round to the same bf16 value, up to one ulp at a rounding edge.
+        torch.testing.assert_close(batched[i, : len(row)].float(), alone.float(), rtol=8e-3, atol=1e-5)

@@ -1,0 +1,82 @@
+"""The target's shape read once, from transformers' own config classes of every family (no download)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from target_families import build_config
+
+from dflash_stream.config import ConfigError, TargetConfig
+from dflash_stream.drafter.head import TargetHead
+from dflash_stream.target_model.shape import model_shape, shape_from_config, target_shape
+
+
+def test_a_vlm_wrapper_is_read_through_its_text_config():
+    shape = shape_from_config(build_config("qwen3_5"), "test")
+    assert (shape.model_type, shape.num_layers, shape.hidden_size, shape.vocab_size) == ("qwen3_5", 6, 64, 49152)
+    assert shape.layer_type_counts == {"linear_attention": 4, "full_attention": 2}
+    assert shape.kv_layers == 2 and shape.is_hybrid
+    # Gated-DeltaNet: 4 value heads x 16 x 16 recurrent state + a 3-step conv window over q, k and v, per layer.
+    assert shape.state_elements_per_sequence == 4 * (4 * 16 * 16 + (2 * 2 * 16 + 4 * 16) * 3)
+    # The vision tower is not part of what extraction loads.
+    from transformers import AutoModelForCausalLM
+
+    text_model = AutoModelForCausalLM.from_config(build_config("qwen3_5"))
+    assert shape.num_parameters == sum(p.numel() for p in text_model.parameters())
+
+
+def test_moe_active_parameters_count_routed_experts_top_k_of_n():
+    config = build_config("qwen3_moe")  # 4 experts, 2 per token
+    shape = shape_from_config(config, "test")
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(config)
+    routed = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    assert routed > 0 and shape.num_parameters == sum(p.numel() for p in model.parameters())
+    assert shape.active_parameters == shape.num_parameters - routed // 2
+    dense = shape_from_config(build_config("qwen3"), "test")
+    assert dense.active_parameters == dense.num_parameters
+
+
+def test_per_layer_type_rope_and_gemma_embedding_scale():
+    shape = shape_from_config(build_config("gemma3"), "test")
+    assert shape.layer_type_counts == {"sliding_attention": 3, "full_attention": 3}
+    assert shape.rope_for("full_attention")["rope_theta"] == 1_000_000
+    assert shape.rope_for("sliding_attention")["rope_theta"] == 10_000
+    assert shape.embed_scale == pytest.approx(64**0.5) and shape.tie_word_embeddings
+    assert shape_from_config(build_config("llama"), "test").embed_scale == 1.0
+
+
+def test_the_drafter_head_embeds_as_the_target_module_does():
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(build_config("gemma3_text")).eval()
+    ids = torch.tensor([[5, 900, 17, 3]])
+    head = TargetHead.from_model(model)
+    assert head.embed_scale == model_shape(model).embed_scale != 1.0
+    torch.testing.assert_close(head.embed(ids), model.get_input_embeddings()(ids), rtol=0, atol=0)
+
+
+def test_sliding_and_mla_attention_widths():
+    mistral = shape_from_config(build_config("mistral"), "test")
+    assert mistral.layer_type_counts == {"sliding_attention": 6} and mistral.sliding_window == 16
+    deepseek = shape_from_config(build_config("deepseek_v3"), "test")
+    # `head_dim` of a DeepSeek config aliases the narrow RoPE part (16): the drafter takes the value heads' 32.
+    assert deepseek.config.head_dim == 16 and deepseek.head_dim == 32
+    assert deepseek.kv_bytes_per_token_layer == 16 + 16  # the compressed latent + the shared RoPE key
+
+
+def test_plan_hints_build_the_family_config_when_the_model_is_not_at_hand():
+    hints = TargetConfig(model="Qwen/Qwen3.6-27B", model_type="qwen3_5", num_layers=64, hidden_size=5120,
+                         vocab_size=248320, num_attention_heads=24, num_key_value_heads=4, head_dim=256,
+                         intermediate_size=17408)
+    shape = target_shape(hints, count=False)
+    assert shape.layer_type_counts == {"linear_attention": 48, "full_attention": 16}
+    assert shape.vocab_size == 248320 and shape.head_dim == 256 and "target.model_type" in shape.source
+    bare = target_shape(TargetConfig(model="org/m", num_layers=36, hidden_size=4096))
+    assert bare.layer_type_counts == {"full_attention": 36} and bare.model_type == "unknown"
+    with pytest.raises(ConfigError, match="target.model_type"):
+        target_shape(TargetConfig(model="org/m", model_type="no_such_family", num_layers=2, hidden_size=8))
+    with pytest.raises(ConfigError, match="target.num_layers"):
+        target_shape(TargetConfig(model="org/m"))
