@@ -40,6 +40,9 @@ class TargetConfig(Section):
     layer_ids: list[int] | None = None
     """Explicit target layer ids (output of decoder layer i); default: the DFlash rule over `num_capture_layers`."""
     num_capture_layers: int = Field(5, ge=1)
+    model_type: str | None = None
+    """Only for `plan` without the model at hand: the transformers model type (e.g. `qwen3_5`), whose config
+    class builds the rest of the shape from the hints below (layer types, heads, recurrent state sizes)."""
     num_layers: int | None = Field(None, ge=1)
     """Only for `plan` without the model at hand: the target's decoder layer count."""
     hidden_size: int | None = Field(None, ge=1)
@@ -48,6 +51,8 @@ class TargetConfig(Section):
     """Only for `plan` without the model at hand (memory of the LM head and the loss)."""
     intermediate_size: int | None = Field(None, ge=1)
     """Only for `plan` without the model at hand (the MLP width, which the drafter also takes by default)."""
+    num_attention_heads: int | None = Field(None, ge=1)
+    """Only for `plan` without the model at hand (attention FLOPs; the drafter's heads by default)."""
     num_key_value_heads: int | None = Field(None, ge=1)
     """Only for `plan` without the model at hand (the regeneration KV cache)."""
     head_dim: int | None = Field(None, ge=1)
@@ -148,6 +153,29 @@ class DrafterConfig(Section):
     head_dim: int | None = Field(None, ge=1)
     rope_theta: float | None = Field(None, gt=0)
     attention: Literal["auto", "flex", "sdpa"] = "auto"
+    layer_types: list[Literal["full_attention", "sliding_attention"]] | None = None
+    """One per layer (z-lab's published Qwen3.6 drafters: 4 x sliding_attention + full_attention); default: all
+    full_attention. A sliding layer's block token sees the sliding_window positions ending at itself (causal)."""
+    sliding_window: int | None = Field(None, ge=1)
+    """Tokens a sliding_attention layer's query sees, itself included (z-lab: 2048); required with such layers."""
+    init_from: str | None = None
+    """A z-lab drafter folder (config.json + model.safetensors, as `export` writes) to start training from; its
+    architecture is the default for the keys above. Ignored when the run resumes from its own checkpoint."""
+
+    @model_validator(mode="after")
+    def _layout(self) -> DrafterConfig:
+        if self.init_from is not None and not self.init_from.strip():
+            raise ValueError("init_from: give a drafter folder, or null")
+        if self.layer_types is not None and len(self.layer_types) != self.num_layers:
+            raise ValueError(
+                f"layer_types has {len(self.layer_types)} entries, num_layers is {self.num_layers}: "
+                "give one per layer"
+            )
+        # With init_from the window may come from that drafter's config.json (checked when the run starts).
+        sliding = self.layer_types is not None and "sliding_attention" in self.layer_types
+        if sliding and self.sliding_window is None and self.init_from is None:
+            raise ValueError("sliding_window is required when a layer is sliding_attention")
+        return self
 
 
 class TrainConfig(Section):

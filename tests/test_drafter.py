@@ -28,7 +28,7 @@ from dflash_stream.drafter import (
 )
 from dflash_stream.drafter.export import zlab_config
 from dflash_stream.drafter.loss import eligible_anchors
-from dflash_stream.target_model import load_target_config
+from dflash_stream.target_model import shape_from_config, target_shape
 
 LAYERS = [1, 3, 5]
 
@@ -49,7 +49,7 @@ def tiny(tiny_target_dir):
     from transformers import AutoModelForCausalLM
 
     cfg = make_cfg(tiny_target_dir)
-    spec = build_spec(cfg, load_target_config(cfg.target), LAYERS)
+    spec = build_spec(cfg, target_shape(cfg.target, count=False), LAYERS)
     head = load_target_head(cfg.target, "cpu")
     target = AutoModelForCausalLM.from_pretrained(tiny_target_dir).eval()
     return spec, head, target
@@ -82,13 +82,13 @@ def test_spec_defaults_from_target(tiny):
 def test_spec_rejects_mask_without_embedding_row(tiny_target_dir):
     cfg = make_cfg(tiny_target_dir, mask_token_id=49152)
     with pytest.raises(ConfigError, match="drafter.mask_token_id"):
-        build_spec(cfg, load_target_config(cfg.target), LAYERS)
+        build_spec(cfg, target_shape(cfg.target, count=False), LAYERS)
 
 
 def test_spec_rejects_other_width(tiny_target_dir):
     cfg = make_cfg(tiny_target_dir, hidden_size=128)
     with pytest.raises(ConfigError, match="drafter.hidden_size"):
-        build_spec(cfg, load_target_config(cfg.target), LAYERS)
+        build_spec(cfg, target_shape(cfg.target, count=False), LAYERS)
 
 
 # ---------------------------------------------------------------------------- anchors and mask
@@ -474,7 +474,7 @@ def test_drafter_rotary_equals_the_targets_scaled_rope(kind, tiny_target_dir, tm
     target_config = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
                                 rope_parameters={**ROPE_SCALINGS[kind], "rope_theta": 50000.0})
-    spec = build_spec(make_cfg(tiny_target_dir, mask_token_id=0), target_config, LAYERS)
+    spec = build_spec(make_cfg(tiny_target_dir, mask_token_id=0), shape_from_config(target_config, "test", count=False), LAYERS)
     assert spec.rope_scaling["rope_type"] == kind and spec.rope_theta == 50000.0
     positions = torch.arange(0, 900, 7)[None]
     x = torch.zeros(1, positions.shape[1], 64)

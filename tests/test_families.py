@@ -69,7 +69,7 @@ def test_family_plans_runs_exports_evaluates_and_audits(family, targets, tmp_pat
     assert summary["samples_trained"] == summary["samples_extracted"] > 0
     assert summary["eval"]["matches_target"] is True, summary["eval"]
     assert audit_run(out)["ok"]
-    _, spec = load_drafter(summary["export"])
+    _, spec = load_drafter(summary["checkpoint"])  # the exported drafter
     assert spec.hidden_size == 64 and spec.target_layer_ids == [1, 2, 3]
     # The drafter's heads are as wide as the target's (MLA: its value heads, not the narrow RoPE part).
     assert spec.head_dim == (32 if family == "deepseek_v3" else 16)

@@ -201,6 +201,39 @@ def test_a_run_trains_every_sample_once_per_epoch_past_a_damaged_segment(tiny_ta
     assert main(["store", "verify", str(tmp_path / "out" / "store")]) == 0, "nothing damaged is left in use"
 
 
+def test_a_trainer_waiting_on_re_extraction_names_the_samples_and_the_command(tiny_target_dir, tmp_path, monkeypatch,
+                                                                              capsys):
+    """`extract` alone, a chunk damaged, then `train` alone (the separate-launch order): the trainer quarantines the
+    segment, trains the rest and waits for samples only a new `extract` brings; it says which and how (issue 26)."""
+    from test_pipeline import write_run_config
+
+    from dflash_stream.pipeline import trainer, waiting
+    from dflash_stream.pipeline.audit import audit_run
+
+    monkeypatch.setattr(waiting, "REMIND_SECONDS", 0.3)
+    monkeypatch.setattr(trainer, "WAIT_POLL_SECONDS", 0.1)
+    config = write_run_config(tmp_path, tiny_target_dir, rows=24, **{"store.budget": 20_000_000, "train.epochs": 1})
+    assert main(["extract", "--config", str(config)]) == 0
+    store = tmp_path / "out" / "store"
+    _corrupt_first_state_chunk(store / "segments" / "extractor-0.000001")
+    capsys.readouterr()
+    assert main(["train", "--config", str(config), "--wait-timeout", "1"]) == 2
+    err = capsys.readouterr().err
+    ids = json.loads((store / "quarantine" / "extractor-0.000001.json").read_text())["sample_ids"]
+    said = f"{len(ids)} sample(s) of quarantined segment extractor-0.000001 wait for re-extraction (ids {ids[0]}, "
+    command = f"run `dflash-stream extract --config {config}` again"
+    waiting_line = next(line for line in err.splitlines() if "waiting for data" in line)
+    assert said in waiting_line and command in waiting_line, waiting_line
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("dflash-stream: error: no data came within --wait-timeout 1 s")
+    assert said in last and command in last and "no extractor has started" not in last, last
+    # Doing what it says finishes the epoch exactly once.
+    assert main(["extract", "--config", str(config)]) == 0
+    assert main(["train", "--config", str(config), "--wait-timeout", "30"]) == 0
+    report = audit_run(tmp_path / "out")
+    assert report["ok"] and [p["missing"] + p["duplicated"] for p in report["passes"]] == [0], report
+
+
 @pytest.fixture
 def small_disk(tmp_path):
     """A real 2 MiB filesystem (tmpfs), far smaller than the budgets below; root only."""

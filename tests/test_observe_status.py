@@ -61,7 +61,8 @@ def write_run(out: Path, pid: int, t0: float, segments: int = 20, total: int = 4
             ckpt = out / "checkpoints" / f"step-{5 * i}"
             ckpt.mkdir(parents=True)
             (ckpt / "COMPLETE").touch()
-            log("trainer", 0, t + 0.3, "checkpoint", step=5 * i, path=str(ckpt), released=4)
+            log("trainer", 0, t + 0.3, "checkpoint", step=5 * i, path=str(ckpt), released=4, stall_s=0.5 * i,
+                write_s=0.4 * i, bytes=3 * 2**20)
     if finished:
         for key in list(lines):
             role, rank = key.rsplit("-", 1)
@@ -101,7 +102,10 @@ def test_status_running_run_has_progress_eta_and_rates(tmp_path: Path) -> None:
     page = render_status(s)
     assert "step 100 / 200 (50.0%), ETA 3m 20s" in page and "blocked on a full buffer 20.0s" in page
     assert t["loss"] == pytest.approx(6.0 * math.exp(-20 / 8))
-    assert s["checkpoints"] == {"count": 5, "latest_step": 100, "latest": str(tmp_path / "checkpoints" / "step-100")}
+    assert s["checkpoints"] == {"count": 5, "latest_step": 100, "latest": str(tmp_path / "checkpoints" / "step-100"),
+                                "written": 5, "stall_s": pytest.approx(30.0), "write_s": pytest.approx(24.0),
+                                "last_bytes": 3 * 2**20}
+    assert "5 written of 3.0 MiB: training stood still 30.0s (mean 6.0s each; writing 24.0s)" in page
 
 
 def test_status_names_a_dead_rank_of_a_running_run(tmp_path: Path) -> None:
@@ -162,7 +166,7 @@ def test_report_pngs_match_metrics(tmp_path: Path) -> None:
     write_run(tmp_path, pid=_dead_pid(), t0=1_000_000.0, finished=True)
     events = read_metrics(tmp_path)
     figs = build_figures(events)
-    assert set(figs) == {"buffer", "rates", "loss", "accuracy"}
+    assert set(figs) == {"buffer", "rates", "loss", "accuracy", "checkpoints"}
 
     stores = [e for e in events if e["event"] == "store"]
     used_line, budget_line = figs["buffer"].axes[0].lines
@@ -191,8 +195,14 @@ def test_report_pngs_match_metrics(tmp_path: Path) -> None:
     assert len(slots) == SLOTS
     assert list(slots[2].get_ydata()) == [e["acc"][2] for e in train]
 
+    checkpoints = [e for e in events if e["event"] == "checkpoint"]
+    stall_line, write_line = figs["checkpoints"].axes[0].lines
+    assert list(stall_line.get_ydata()) == [e["stall_s"] for e in checkpoints]
+    assert list(write_line.get_ydata()) == [e["write_s"] for e in checkpoints]
+    assert "Checkpoints: 5, 3.0 MiB each; training stood still 30.0 s in all" in figs["checkpoints"].axes[0].get_title()
+
     paths = write_report(tmp_path)
-    assert sorted(p.name for p in paths) == ["accuracy.png", "buffer.png", "loss.png", "rates.png"]
+    assert sorted(p.name for p in paths) == ["accuracy.png", "buffer.png", "checkpoints.png", "loss.png", "rates.png"]
     for path in paths:
         image = imread(path)
         assert image.shape[0] > 300 and image.shape[1] > 600

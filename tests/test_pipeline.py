@@ -143,6 +143,14 @@ def test_combined_run_under_accelerate(tiny_target_dir, tmp_path):
                 "extractor_backpressure_seconds", "final_loss", "checkpoint"):
         assert key in summary, key
     assert summary["samples_trained"] == 2 * summary["samples_extracted"] > 0
+    # The extractor leaves after trainer 0's part: its figures are merged all the same (issue 26, item 5).
+    extractor = json.loads((output / "summary-parts" / "extractor-0.json").read_text())
+    assert summary["missing_parts"] == [] and summary["extract_seconds"] == round(extractor["extract_seconds"], 2) > 0
+    # What checkpoints cost: each one's stall and write time in the metrics, their totals in the summary.
+    timed = [e for e in events(output) if e["event"] == "checkpoint" and e["rank"] == 0]
+    assert summary["checkpoints"] == len(timed) > 1
+    assert all(e["stall_s"] >= e["write_s"] > 0 and e["bytes"] > 0 for e in timed)
+    assert summary["checkpoint_stall_seconds"] == pytest.approx(sum(e["stall_s"] for e in timed), abs=0.02)
     assert disk.peak <= BUDGET, f"store reached {disk.peak} bytes on disk, budget {BUDGET}"
     # The budget forced the buffer to wrap: far more data passed through than it can hold at once.
     assert summary["tokens_extracted"] * 3 * 64 * 2 > 2 * BUDGET
@@ -153,6 +161,7 @@ def test_combined_run_under_accelerate(tiny_target_dir, tmp_path):
     status = collect_status(output)
     assert status["extraction"]["backpressure_s"] == summary["extractor_backpressure_seconds"]
     assert status["extraction"]["progress"] == 1.0 and status["training"]["progress"] == 1.0
+    assert status["checkpoints"]["written"] == summary["checkpoints"]
     held = [line for line in out.splitlines() if "held back by the full buffer (" in line]
     assert summary["extractor_backpressure_seconds"] == 0 or 1 <= len(held) <= 3, held
 

@@ -109,7 +109,8 @@ def test_resume_audit_status_and_export_agree_on_the_latest_complete_checkpoint(
     latest = run.latest_checkpoint()
     assert latest == run.checkpoint(12) == ckpt.latest_checkpoint(run.root)
     assert _checkpoint_dir(run.root) == latest
-    assert _checkpoints(run.root) == {"count": 2, "latest_step": 12, "latest": str(latest)}
+    assert _checkpoints(run.root) == {"count": 2, "latest_step": 12, "latest": str(latest),
+                                      "written": 0, "stall_s": 0, "write_s": 0, "last_bytes": None}
     assert audit_run(run.root)["passes"][0] == {"epoch": 0, "expected": 3, "trained": 3, "missing": 0,
                                                 "duplicated": 0, "unexpected": 0}
 

@@ -12,8 +12,9 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
+from dflash_stream.config import ConfigError
 from dflash_stream.drafter.model import DFlashDrafter
-from dflash_stream.drafter.spec import DrafterSpec
+from dflash_stream.drafter.spec import FULL, SLIDING, DrafterSpec
 
 WEIGHTS = "model.safetensors"
 SPEC = "drafter_spec.json"
@@ -54,15 +55,41 @@ def zlab_config(spec: DrafterSpec, dtype: torch.dtype = torch.bfloat16) -> dict[
         "max_position_embeddings": spec.max_position_embeddings,
         "vocab_size": spec.vocab_size,
         "tie_word_embeddings": False,
-        "use_sliding_window": False,
-        "sliding_window": None,
-        "layer_types": ["full_attention"] * spec.num_layers,
+        **_layout_fields(spec),
         "dtype": _str_dtype(dtype),
         "block_size": spec.block_size,
         "num_target_layers": spec.num_target_layers,
         "dflash_config": {"mask_token_id": spec.mask_token_id, "target_layer_ids": list(spec.target_layer_ids)},
         "auto_map": AUTO_MAP,
     }
+
+
+def _layout_fields(spec: DrafterSpec) -> dict[str, Any]:
+    """The attention layout as z-lab's published Qwen3.6 drafter config writes it: transformers' Qwen3Config
+    drops `sliding_window` unless `use_sliding_window` is true, and `max_window_layers` = all layers (z-lab's
+    value) leaves the explicit `layer_types` as the only source of the layout. No `is_causal`: z-lab's default
+    (sliding layers causal, full layers not) is what the drafter trains."""
+    if spec.sliding_window is None:
+        return {"use_sliding_window": False, "sliding_window": None, "layer_types": list(spec.layer_types)}
+    return {"use_sliding_window": True, "sliding_window": spec.sliding_window, "max_window_layers": spec.num_layers,
+            "layer_types": list(spec.layer_types)}
+
+
+def _layout(config: dict[str, Any]) -> tuple[list[str], int | None]:
+    """(layer_types, sliding_window) of a z-lab config, read as transformers' Qwen3Config reads them."""
+    n = config["num_hidden_layers"]
+    window = config.get("sliding_window") if config.get("use_sliding_window") else None
+    types = config.get("layer_types") or [
+        SLIDING if window is not None and i >= config.get("max_window_layers", 28) else FULL for i in range(n)
+    ]
+    causal = config.get("is_causal")
+    # z-lab's dflash: `is_causal` unset makes sliding layers causal and full layers not; set, it forces all.
+    if causal is not None and any((t == SLIDING) != bool(causal) for t in types):
+        raise ConfigError(
+            f"a DFlash config with is_causal={causal} and layer_types {types} is not supported: dflash-stream's "
+            "drafter has causal sliding layers and non-causal full layers (z-lab's default, is_causal unset)"
+        )
+    return list(types), window if SLIDING in types else None
 
 
 def _rope_scaling(config: dict[str, Any]) -> dict[str, Any] | None:
@@ -78,6 +105,7 @@ def _rope_scaling(config: dict[str, Any]) -> dict[str, Any] | None:
 
 def spec_from_zlab_config(config: dict[str, Any]) -> DrafterSpec:
     dflash = config["dflash_config"]
+    layer_types, window = _layout(config)
     return DrafterSpec(
         hidden_size=config["hidden_size"],
         intermediate_size=config["intermediate_size"],
@@ -94,6 +122,8 @@ def spec_from_zlab_config(config: dict[str, Any]) -> DrafterSpec:
         num_target_layers=config["num_target_layers"],
         max_position_embeddings=config["max_position_embeddings"],
         rope_scaling=_rope_scaling(config),
+        layer_types=layer_types,
+        sliding_window=window,
     )
 
 
@@ -115,6 +145,23 @@ def _build(spec: DrafterSpec, weights: Path, device: torch.device | str | None) 
     drafter = DFlashDrafter(spec).to(device=device, dtype=next(iter(state.values())).dtype)
     drafter.load_state_dict(state, strict=True)
     return drafter
+
+
+def load_init_weights(drafter: DFlashDrafter, folder: str | Path) -> None:
+    """Copy the weights of a z-lab drafter folder (`drafter.init_from`) into `drafter`, every tensor exactly:
+    the same names and shapes or a ConfigError naming the first difference."""
+    path = Path(folder).expanduser() / WEIGHTS
+    state = load_file(path, device=str(drafter.fc.weight.device))
+    ours = drafter.state_dict()
+    missing, extra = sorted(set(ours) - set(state)), sorted(set(state) - set(ours))
+    if missing or extra:
+        what = f"lacks {', '.join(missing[:3])}" if missing else f"has extra tensors {', '.join(extra[:3])}"
+        raise ConfigError(f"drafter.init_from: {path} {what}; it is not a DFlash drafter of this architecture")
+    for name, t in state.items():
+        if t.shape != ours[name].shape:
+            raise ConfigError(f"drafter.init_from: {name} is {list(t.shape)} in {path}, "
+                              f"this run {list(ours[name].shape)}")
+    drafter.load_state_dict(state, strict=True)
 
 
 def load_drafter(path: str | Path, device: torch.device | str | None = None) -> tuple[DFlashDrafter, DrafterSpec]:

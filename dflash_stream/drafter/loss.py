@@ -195,7 +195,7 @@ def dflash_loss(
 
     ctx_pos = torch.arange(s, device=dev).expand(n, s)
     context = drafter.context_kv(batch["hidden_states"], ctx_pos)
-    hidden = drafter(head.embed(block_ids.flatten(1)), positions.flatten(1), context, drafter.block_mask(anchors, s))
+    hidden = drafter(head.embed(block_ids.flatten(1)), positions.flatten(1), context, drafter.block_masks(anchors, s))
     # Only supervised slots reach the LM head: its [*, vocab] logits dominate memory.
     hidden = hidden.view(n, a, bs, -1)[:, :, 1:][supervised]
     target = labels[supervised]

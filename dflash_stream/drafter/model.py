@@ -7,6 +7,10 @@ queries attend, without a causal mask, to the context features strictly before t
 block. The final `norm` output goes through the target's LM head. Module names follow the z-lab checkpoints
 (`layers.N.self_attn.q_proj`, `fc`, `hidden_norm`, `norm`, ...) so exported weights load in vLLM and SGLang.
 
+Layers may be `sliding_attention` (spec.layer_types, as in z-lab's Qwen3.6 drafters), with z-lab's semantics: a
+block token at absolute position p sees only the keys at positions p - W + 1 .. p (W = spec.sliding_window):
+the last context positions before the anchor that fit, and its own block causally (slots 0..itself).
+
 Shapes: N sequences, S context positions, Q block-token queries (A blocks of B tokens in training, one block
 when decoding), H query heads, G key/value heads, Dh head width.
 """
@@ -26,6 +30,8 @@ from dflash_stream.drafter.spec import DrafterSpec
 
 KV = tuple[Tensor, Tensor]  # keys, values of the context: [N, G, S, Dh] each
 Mask = Tensor | BlockMask | None
+Masks = dict[int | None, Mask]
+"""Training masks by sliding window: None for the full-attention layers, W for the layers of window W."""
 
 
 def rotate_half(x: Tensor) -> Tensor:
@@ -140,8 +146,10 @@ class MLP(nn.Module):
 
 
 class Layer(nn.Module):
-    def __init__(self, spec: DrafterSpec) -> None:
+    def __init__(self, spec: DrafterSpec, window: int | None = None) -> None:
         super().__init__()
+        self.window = window
+        """Sliding window of this layer; None for full attention."""
         self.input_layernorm = nn.RMSNorm(spec.hidden_size, eps=spec.rms_norm_eps)
         self.self_attn = Attention(spec)
         self.post_attention_layernorm = nn.RMSNorm(spec.hidden_size, eps=spec.rms_norm_eps)
@@ -160,7 +168,7 @@ class DFlashDrafter(nn.Module):
         d = spec.hidden_size
         self.fc = nn.Linear(spec.num_context_layers * d, d, bias=False)
         self.hidden_norm = nn.RMSNorm(d, eps=spec.rms_norm_eps)
-        self.layers = nn.ModuleList(Layer(spec) for _ in range(spec.num_layers))
+        self.layers = nn.ModuleList(Layer(spec, window) for window in spec.layer_windows)
         self.norm = nn.RMSNorm(d, eps=spec.rms_norm_eps)
         self.rotary = Rotary(spec)
         self.apply(self._init_weights)
@@ -179,27 +187,49 @@ class DFlashDrafter(nn.Module):
         cos, sin = self.rotary(positions)
         return [layer.self_attn.kv(feats, cos, sin) for layer in self.layers]
 
-    def forward(self, block_embeds: Tensor, positions: Tensor, context: list[KV], mask: Mask = None) -> Tensor:
+    def forward(self, block_embeds: Tensor, positions: Tensor, context: list[KV], mask: Mask | Masks = None
+                ) -> Tensor:
         """Final hidden states [N, Q, D] of the block tokens.
 
         block_embeds [N, Q, D] (target embeddings of the block tokens), positions [N, Q] (absolute),
-        context from `context_kv`; mask over keys [context ; block]: None = everything visible (one block
-        drafted after its whole context), else from `block_mask`.
+        context from `context_kv`; mask over keys [context ; block]: None = one block drafted right after its
+        whole context (full layers see everything, sliding layers their window), else from `block_masks`
+        (or `block_mask` when every layer is full attention).
         """
+        if isinstance(mask, dict):
+            masks = mask
+        elif mask is None:
+            kv_len = context[0][0].shape[2] + block_embeds.shape[1]
+            masks = {w: None if w is None else window_mask(block_embeds.shape[1], kv_len, w, block_embeds.device)
+                     for w in dict.fromkeys(self.spec.layer_windows)}
+        elif self.spec.sliding_window is None:
+            masks = {None: mask}
+        else:
+            raise ValueError("sliding layers need their own masks: pass drafter.block_masks(...), not one mask")
         cos, sin = self.rotary(positions)
         x = block_embeds.to(self.fc.weight.dtype)
         for layer, kv in zip(self.layers, context, strict=True):
-            x = layer(x, cos, sin, kv, mask)
+            x = layer(x, cos, sin, kv, masks[layer.window])
         return self.norm(x)
 
     def uses_flex(self, device: torch.device) -> bool:
         """Whether training masks on `device` go to FlexAttention (compiled on CUDA) rather than SDPA."""
         return self.attention == "flex" or (self.attention == "auto" and device.type == "cuda")
 
-    def block_mask(self, anchors: Tensor, context_len: int) -> Mask:
-        """Training mask for A blocks per sequence (anchors [N, A]) after `context_len` context keys:
-        FlexAttention's BlockMask (attention `flex`, or `auto` on CUDA) or a dense bool mask (SDPA)."""
-        mask_mod = anchor_mask_mod(anchors, context_len, self.spec.block_size)
+    def block_masks(self, anchors: Tensor, context_len: int) -> Masks:
+        """The training mask of each layer type (see `block_mask`), by sliding window (None: full layers)."""
+        return {w: self.block_mask(anchors, context_len, w) for w in dict.fromkeys(self.spec.layer_windows)}
+
+    def block_mask(self, anchors: Tensor, context_len: int, window: int | None = None) -> Mask:
+        """Training mask for A blocks per sequence (anchors [N, A]) after `context_len` context keys, for the
+        full-attention layers (window None) or the sliding layers of `window`: FlexAttention's BlockMask
+        (attention `flex`, or `auto` on CUDA) or a dense bool mask (SDPA)."""
+        layout = None
+        if self.spec.sliding_window is not None:
+            # A tensor, not a constant: compiled FlexAttention then builds one graph for both layer types (a
+            # graph per window would double the graphs per shape, past torch's recompile limit of 8).
+            layout = torch.tensor(NO_WINDOW if window is None else window, device=anchors.device)
+        mask_mod = anchor_mask_mod(anchors, context_len, self.spec.block_size, layout)
         n, a = anchors.shape
         q_len = a * self.spec.block_size
         kv_len = context_len + q_len
@@ -215,16 +245,40 @@ class DFlashDrafter(nn.Module):
         return mask_mod(b, None, q, kv)
 
 
-def anchor_mask_mod(anchors: Tensor, context_len: int, block_size: int) -> Callable:
+NO_WINDOW = 2**62
+"""The window value that marks a full-attention layer in a drafter with sliding layers (see `anchor_mask_mod`)."""
+
+
+def anchor_mask_mod(anchors: Tensor, context_len: int, block_size: int, window: Tensor | None = None) -> Callable:
     """Who a block-token query may see: context keys strictly before its block's anchor (when decoding, the
     target has not yet run on the anchor token, so no state exists there), every token of its own block, and
     nothing of the other blocks. Written with tensor ops only so that it serves as a
-    FlexAttention mask_mod and, evaluated on broadcast index grids, as the dense SDPA mask."""
+    FlexAttention mask_mod and, evaluated on broadcast index grids, as the dense SDPA mask.
+
+    With a `window` W (a 0-d tensor; drafters with sliding layers use this form for all their layers, NO_WINDOW
+    for the full ones), what `window_mask` gives when decoding, at the block's absolute positions: the query at
+    position p = anchor + k keeps only keys at positions p - W + 1 .. p, i.e. context from p - W + 1 and its own
+    block's slots 0..k. NO_WINDOW keeps the rule above unchanged (not causal, no window)."""
 
     def mask_mod(b: Tensor, h: Tensor | None, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         block = q_idx // block_size
         before_anchor = kv_idx < anchors[b, block]
         same_block = (kv_idx >= context_len) & ((kv_idx - context_len) // block_size == block)
-        return before_anchor | same_block
+        if window is None:
+            return before_anchor | same_block
+        anchor = anchors[b, block]
+        q_pos = anchor + q_idx % block_size
+        kv_pos = torch.where(kv_idx >= context_len, anchor + (kv_idx - context_len) % block_size, kv_idx)
+        causal = (kv_pos <= q_pos) | (window == NO_WINDOW)
+        return (before_anchor | same_block) & causal & (q_pos - kv_pos < window)
 
     return mask_mod
+
+
+def window_mask(q_len: int, kv_len: int, window: int, device: torch.device) -> Tensor:
+    """A sliding layer's mask when one block is drafted right after its whole context (keys = context at
+    positions 0..S-1, then the block): z-lab's decoding rule, queries aligned with the last q_len keys, each
+    seeing the `window` keys that end at itself. Bool [Q, KV], True = visible."""
+    q_pos = torch.arange(kv_len - q_len, kv_len, device=device)[:, None]
+    kv_pos = torch.arange(kv_len, device=device)[None]
+    return (kv_pos <= q_pos) & (q_pos - kv_pos < window)

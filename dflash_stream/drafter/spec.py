@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from dflash_stream.config import Config, ConfigError
+from dflash_stream.target_model.shape import FULL, SLIDING, TargetShape
+
+LAYER_TYPES = (FULL, SLIDING)
+"""Drafter layer types. Sliding layers follow z-lab's dflash (model.py, `_attention_mask`): a block token at
+absolute position p sees the keys at positions p - sliding_window + 1 .. p, so its window ends at itself and it is
+causal inside its block; full-attention layers see all the context before the anchor and the whole block."""
 
 
 @dataclass
@@ -26,40 +34,62 @@ class DrafterSpec:
     max_position_embeddings: int = 32768
     rope_scaling: dict[str, Any] | None = None
     """The target's RoPE scaling (`rope_type` yarn/llama3/linear and its parameters); None for plain RoPE."""
+    layer_types: list[str] | None = None
+    """One of LAYER_TYPES per drafter layer; None (spec files written before layer types) means all full."""
+    sliding_window: int | None = None
+    """Keys a sliding layer's query sees, itself included; None without sliding layers."""
+
+    def __post_init__(self) -> None:
+        if self.layer_types is None:
+            self.layer_types = [FULL] * self.num_layers
+        check_layout(self.layer_types, self.sliding_window, self.num_layers)
 
     @property
     def num_context_layers(self) -> int:
         return len(self.target_layer_ids)
 
+    @property
+    def layer_windows(self) -> list[int | None]:
+        """Per layer: its sliding window, or None for a full-attention layer."""
+        return [self.sliding_window if t == SLIDING else None for t in self.layer_types]
 
-def _rope_theta(text_config: Any) -> float:
-    # transformers 5 keeps rope_theta inside rope_parameters; 4.x has it at top level.
-    params = getattr(text_config, "rope_parameters", None) or {}
-    theta = params.get("rope_theta") if isinstance(params, dict) else None
-    return float(theta or getattr(text_config, "rope_theta", None) or 10000.0)
+
+def check_layout(layer_types: list[str], sliding_window: int | None, num_layers: int) -> None:
+    if len(layer_types) != num_layers:
+        raise ConfigError(
+            f"drafter.layer_types has {len(layer_types)} entries, drafter.num_layers is {num_layers}: "
+            "give one per layer"
+        )
+    unknown = sorted(set(layer_types) - set(LAYER_TYPES))
+    if unknown:
+        raise ConfigError(f"drafter.layer_types: unknown {', '.join(unknown)}; allowed: {', '.join(LAYER_TYPES)}")
+    if SLIDING in layer_types and (sliding_window is None or sliding_window < 1):
+        raise ConfigError(
+            f"drafter.sliding_window is required (a positive number of tokens) when a layer is {SLIDING}; "
+            f"got {sliding_window}"
+        )
 
 
 SCALED_ROPE_TYPES = ("linear", "yarn", "llama3")
 """Scalings whose frequencies depend on the config alone; `dynamic`/`longrope` change with the sequence length."""
 
 
-def target_rope_scaling(text_config: Any) -> dict[str, Any] | None:
-    """The target's RoPE scaling as the drafter must reproduce it (z-lab's loader builds the drafter's rotary
-    embedding from its config the same way): None for plain RoPE."""
-    params = getattr(text_config, "rope_parameters", None) or getattr(text_config, "rope_scaling", None) or {}
-    if params and all(isinstance(v, dict) for v in params.values()):  # per layer type: the attention layers'
-        params = params.get("full_attention") or next(iter(params.values()))
+def target_rope(shape: TargetShape, layer_type: str = "full_attention") -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, scaling) of the target's layers of `layer_type` as the drafter must reproduce them (z-lab's
+    loader builds the drafter's rotary embedding from its config the same way); scaling None for plain RoPE."""
+    params = shape.rope_for(layer_type)
+    theta = float(params.get("rope_theta") or 10000.0)
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type == "default":
-        return None
+        return theta, None
     if rope_type not in SCALED_ROPE_TYPES:
         raise ConfigError(
             f"target rope_scaling type '{rope_type}' is not supported by the drafter; "
             f"supported: default, {', '.join(SCALED_ROPE_TYPES)}"
         )
     # rope_theta has its own spec field; the drafter's attention rotates whole heads (no partial rotary).
-    drop = ("rope_theta", "type", "partial_rotary_factor")
-    return {"rope_type": rope_type, **{k: v for k, v in params.items() if k not in (*drop, "rope_type")}}
+    drop = ("rope_theta", "type", "rope_type", "partial_rotary_factor")
+    return theta, {"rope_type": rope_type, **{k: v for k, v in params.items() if k not in drop}}
 
 
 def default_mask_token_id(tokenizer: Any, vocab_size: int) -> int:
@@ -85,10 +115,42 @@ def _load_tokenizer(cfg: Config) -> Any:
     return AutoTokenizer.from_pretrained(location, **kwargs)
 
 
-def build_spec(cfg: Config, target_config: Any, layer_ids: list[int], tokenizer: Any = None) -> DrafterSpec:
-    """Widths, heads and MLP default from the target; depth, block size and mask token from `cfg.drafter`."""
-    tc = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
+def _first(*values: Any) -> Any:
+    return next((v for v in values if v is not None), None)
+
+
+def read_init_from(path: str) -> tuple[Path, DrafterSpec]:
+    """(its config.json, its spec) of the z-lab drafter folder that `drafter.init_from` names."""
+    # A late import: export imports this module.
+    from dflash_stream.drafter.export import CONFIG, WEIGHTS, spec_from_zlab_config
+
+    folder = Path(path).expanduser()
+    for name in (CONFIG, WEIGHTS):
+        if not (folder / name).is_file():
+            raise ConfigError(
+                f"drafter.init_from: {folder / name} not found; expected a z-lab drafter folder "
+                f"({CONFIG} + {WEIGHTS}) such as `dflash-stream export` writes"
+            )
+    config_path = folder / CONFIG
+    try:
+        return config_path, spec_from_zlab_config(json.loads(config_path.read_text()))
+    except (json.JSONDecodeError, KeyError, TypeError) as err:
+        raise ConfigError(f"drafter.init_from: {config_path} is not a DFlash drafter config: {err!r}") from None
+
+
+def build_spec(cfg: Config, tc: TargetShape, layer_ids: list[int], tokenizer: Any = None) -> DrafterSpec:
+    """Widths, heads and MLP default from the target; depth, block size and mask token from `cfg.drafter`.
+
+    With `drafter.init_from` the architecture (heads, MLP, layer types, window, mask token, RoPE) defaults to that
+    drafter's instead, so that pointing at a published drafter is enough; what its weights cannot serve (another
+    vocabulary, width, block size, target layers, depth or layout) is refused with both values named.
+    """
     d = cfg.drafter
+    init_path, init = read_init_from(d.init_from) if d.init_from else (None, None)
+
+    def from_init(name: str) -> Any:
+        return getattr(init, name) if init is not None else None
+
     hidden = tc.hidden_size
     # The drafter reads the target's embeddings and feeds the target's LM head, so its width is the target's.
     if d.hidden_size is not None and d.hidden_size != hidden:
@@ -96,37 +158,56 @@ def build_spec(cfg: Config, target_config: Any, layer_ids: list[int], tokenizer:
             f"drafter.hidden_size={d.hidden_size} must equal the target's hidden size {hidden} "
             "(the drafter shares the target's embedding and LM head); leave it unset"
         )
-    heads = d.num_attention_heads or tc.num_attention_heads
-    kv_heads = d.num_key_value_heads or getattr(tc, "num_key_value_heads", None) or heads
+    heads = _first(d.num_attention_heads, from_init("num_attention_heads"), tc.num_attention_heads)
+    kv_heads = _first(d.num_key_value_heads, from_init("num_key_value_heads"), tc.num_key_value_heads) or heads
     if heads % kv_heads:
         raise ConfigError(
             f"drafter.num_key_value_heads={kv_heads} must divide drafter.num_attention_heads={heads}"
         )
-    head_dim = d.head_dim or getattr(tc, "head_dim", None) or hidden // heads
+    head_dim = _first(d.head_dim, from_init("head_dim"), tc.head_dim) or hidden // heads
+    intermediate = _first(d.intermediate_size, from_init("intermediate_size"), tc.intermediate_size)
+    layer_types = list(_first(d.layer_types, from_init("layer_types")) or [FULL] * d.num_layers)
+    window = _first(d.sliding_window, from_init("sliding_window")) if SLIDING in layer_types else None
     vocab = tc.vocab_size
-    if d.mask_token_id is not None:
-        mask = d.mask_token_id
-    else:
+    if init is not None:
+        run = {
+            "vocab_size": vocab, "hidden_size": hidden, "block_size": d.block_size,
+            "target_layer_ids": list(layer_ids), "num_hidden_layers": d.num_layers, "layer_types": layer_types,
+            "sliding_window": window, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
+            "head_dim": head_dim, "intermediate_size": intermediate,
+        }
+        for key, ours in run.items():
+            theirs = getattr(init, "num_layers" if key == "num_hidden_layers" else key)
+            if theirs != ours:
+                raise ConfigError(f"drafter.init_from: {key} {theirs} in {init_path}, this run {ours}")
+    mask = _first(d.mask_token_id, from_init("mask_token_id"))
+    if mask is None:
         mask = default_mask_token_id(tokenizer if tokenizer is not None else _load_tokenizer(cfg), vocab)
     if not 0 <= mask < vocab:
         raise ConfigError(
             f"drafter.mask_token_id={mask} has no embedding row in the target (vocab_size {vocab}); "
             f"allowed: 0..{vocab - 1}"
         )
+    # A drafter to continue keeps the RoPE it was trained with; a new one copies the target's.
+    theta, scaling = (init.rope_theta, init.rope_scaling) if init is not None else target_rope(tc)
     return DrafterSpec(
         hidden_size=hidden,
-        intermediate_size=d.intermediate_size or tc.intermediate_size,
+        intermediate_size=intermediate,
         num_layers=d.num_layers,
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
         head_dim=head_dim,
-        rope_theta=d.rope_theta or _rope_theta(tc),
-        rms_norm_eps=float(getattr(tc, "rms_norm_eps", 1e-6)),
+        rope_theta=d.rope_theta or theta,
+        rms_norm_eps=_first(from_init("rms_norm_eps"), float(getattr(tc.config, "rms_norm_eps", None) or 1e-6)),
         vocab_size=vocab,
         block_size=d.block_size,
         mask_token_id=mask,
         target_layer_ids=list(layer_ids),
-        num_target_layers=tc.num_hidden_layers,
-        max_position_embeddings=getattr(tc, "max_position_embeddings", None) or 32768,
-        rope_scaling=target_rope_scaling(tc),
+        num_target_layers=tc.num_layers,
+        max_position_embeddings=_first(
+            from_init("max_position_embeddings"), getattr(tc.config, "max_position_embeddings", None), 32768
+        ),
+        rope_scaling=scaling,
+        layer_types=layer_types,
+        sliding_window=window,
     )

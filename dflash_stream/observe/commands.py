@@ -88,6 +88,13 @@ def _report(args: argparse.Namespace) -> int:
         raise DFlashError(str(err)) from err
     for path in paths:
         print(path)
+    from dflash_stream.observe.summary import read_summary
+    from dflash_stream.rundir import RunDir
+
+    summary = read_summary(RunDir(args.output)) or {}
+    if summary.get("missing_parts"):
+        log.warning("summary.json lacks the figures of %s: no summary part from it (it died or still runs)",
+                    ", ".join(summary["missing_parts"]))
     drawn = {p.stem for p in paths}
     for name, event in PLOT_EVENTS.items():
         if name not in drawn:

@@ -18,7 +18,8 @@ from dflash_stream.rundir import RunDir  # noqa: E402
 
 GIB = 2**30
 MIB = 2**20
-PLOT_EVENTS = {"buffer": "store", "rates": "extract/train", "loss": "train", "accuracy": "train"}
+PLOT_EVENTS = {"buffer": "store", "rates": "extract/train", "loss": "train", "accuracy": "train",
+               "checkpoints": "checkpoint"}
 """Each plot and the metrics events it is drawn from."""
 Events = list[dict[str, Any]]
 
@@ -204,11 +205,37 @@ def plot_accuracy(events: Events) -> Figure | None:
     return fig
 
 
+def plot_checkpoints(events: Events, t0: float) -> Figure | None:
+    """What each checkpoint cost the lead trainer: seconds training stood still, and of those seconds writing
+    files. A small budget forces frequent checkpoints (a segment leaves only once one records it), so this is
+    where a budget too small for the drafter's state shows."""
+    groups = {key: [e for e in evs if "stall_s" in e] for key, evs in _by_rank(events, "checkpoint").items()
+              if key[0] in ("trainer", "single")}
+    timed = min(((key, evs) for key, evs in groups.items() if evs), key=lambda kv: kv[0][1], default=None)
+    if timed is None:
+        return None
+    div, unit = _time_axis(events, t0)
+    evs = timed[1]
+    t = [(e["time"] - t0) / div for e in evs]
+    stall, write = [e["stall_s"] for e in evs], [e.get("write_s") or 0.0 for e in evs]
+    fig, ax = plt.subplots(figsize=(9, 4.5), layout="constrained")
+    ax.plot(t, stall, "o-", color="tab:red", ms=3, lw=1, label="training stood still (s)")
+    ax.plot(t, write, "o-", color="tab:blue", ms=3, lw=1, label="writing files (s)")
+    size = f", {evs[-1]['bytes'] / MIB:,.1f} MiB each" if evs[-1].get("bytes") is not None else ""
+    ax.set(title=f"Checkpoints: {len(evs)}{size}; training stood still {sum(stall):,.1f} s in all",
+           xlabel=unit, ylabel="seconds per checkpoint")
+    _scale_to_data(ax, stall + write, head_room=1.3)
+    _legend(ax, loc="upper left")
+    ax.grid(alpha=0.3)
+    return fig
+
+
 def build_figures(events: Events) -> dict[str, Figure]:
     """Every plot the metrics have data for, by file stem."""
     t0 = min(e["time"] for e in events)
     figures = {"buffer": plot_buffer(events, t0), "rates": plot_rates(events, t0),
-               "loss": plot_loss(events), "accuracy": plot_accuracy(events)}
+               "loss": plot_loss(events), "accuracy": plot_accuracy(events),
+               "checkpoints": plot_checkpoints(events, t0)}
     return {name: fig for name, fig in figures.items() if fig is not None}
 
 

@@ -7,9 +7,9 @@ runs on another host), `crashed` (no live process behind the ranks' `start` even
 
 from __future__ import annotations
 
-import json
 import socket
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +17,7 @@ import psutil
 import yaml
 
 from dflash_stream.observe.metrics import read_metrics
-from dflash_stream.observe.summary import summary_table
+from dflash_stream.observe.summary import read_summary, summary_table
 from dflash_stream.observe.units import fmt_bytes, fmt_count, fmt_duration
 from dflash_stream.rundir import RunDir, checkpoint_step
 
@@ -181,11 +181,19 @@ def _training(events: list[dict[str, Any]], running: bool) -> dict[str, Any] | N
     }
 
 
-def _checkpoints(out: Path) -> dict[str, Any]:
+def _checkpoints(out: Path, events: Sequence[dict[str, Any]] = ()) -> dict[str, Any]:
+    """The complete checkpoints on disk, and what writing them cost: from the lead trainer's `checkpoint` events
+    of every launch (all trainers stand still together, so one rank's figures are the run's)."""
     complete = RunDir(out).complete_checkpoints()
     latest = complete[-1] if complete else None
+    written = [e for e in events if e["event"] == "checkpoint" and e["role"] in ("trainer", "single")]
+    lead = min((e["rank"] for e in written), default=0)
+    timed = [e for e in written if e["rank"] == lead and "stall_s" in e]
     return {"count": len(complete), "latest_step": checkpoint_step(latest) if latest else None,
-            "latest": str(latest) if latest else None}
+            "latest": str(latest) if latest else None,
+            "written": len(timed), "stall_s": sum(e["stall_s"] for e in timed),
+            "write_s": sum(e.get("write_s") or 0.0 for e in timed),
+            "last_bytes": timed[-1].get("bytes") if timed else None}
 
 
 def collect_status(output_dir: str | Path, now: float | None = None) -> dict[str, Any]:
@@ -200,14 +208,16 @@ def collect_status(output_dir: str | Path, now: float | None = None) -> dict[str
     events = read_metrics(out)
     ranks = _ranks(events, now)
     state, reason = _run_state(out, ranks)
-    summary = json.loads(run.summary.read_text()) if state == "finished" else None
+    summary = read_summary(run) if state == "finished" else None
+    if summary and summary.get("missing_parts"):
+        reason += f"; without the figures of {', '.join(summary['missing_parts'])} (no summary part from it)"
     return {
         "output": str(out), "state": state, "state_reason": reason, "time": now,
         "ranks": ranks,
         "extraction": _extraction(events, state == "running", summary),
         "buffer": _buffer(out, events, now),
         "training": _training(events, state == "running"),
-        "checkpoints": _checkpoints(out),
+        "checkpoints": _checkpoints(out, events),
         "summary": summary,
     }
 
@@ -245,13 +255,20 @@ def render_status(s: dict[str, Any]) -> str:
                    f"waited for data {fmt_duration(t['data_wait_s'])}")
     c = s["checkpoints"]
     out.append(f"ckpt      {c['count']} complete" + (f", latest {c['latest']}" if c["latest"] else ""))
+    if c["written"]:
+        size = f" of {fmt_bytes(c['last_bytes'])}" if c["last_bytes"] is not None else ""
+        out.append(f"          {c['written']} written{size}: training stood still {_seconds(c['stall_s'])} "
+                   f"(mean {_seconds(c['stall_s'] / c['written'])} each; writing {_seconds(c['write_s'])})")
     if s["summary"] is not None:
         out += ["summary", *summary_table(s["summary"], indent="          ")]
     return "\n".join(out)
 
 
 def _seconds(value: float) -> str:
-    """Short waits in seconds with a decimal, long ones as a duration."""
+    """Short waits in seconds with a decimal (two below a second: checkpoints of a small drafter take
+    hundredths), long ones as a duration."""
+    if value < 1:
+        return f"{value:.2f}s"
     return f"{value:.1f}s" if value < 60 else fmt_duration(value)
 
 

@@ -10,9 +10,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -21,7 +22,8 @@ from dflash_stream.errors import DFlashError
 from dflash_stream.rundir import COMPLETE, RunDir, checkpoint_step, fsync, write_atomic
 
 __all__ = ["COMPLETE", "SHARED_STATE", "begin", "checkpoint_step", "complete_checkpoints", "drop_ledger_after",
-           "latest_checkpoint", "ledger_dir", "load", "load_torch", "optimizer_state", "publish", "rank_state_file", "save",
+           "latest_checkpoint", "ledger_dir", "load", "load_torch", "optimizer_state", "publish", "rank_state_file", "Saved",
+           "save",
            "save_torch", "write_ledger"]
 
 SHARED_STATE = "trainer_state.pt"
@@ -143,25 +145,43 @@ def _prune(run: RunDir, keep: int) -> None:
             shutil.rmtree(path)
 
 
+class Saved(NamedTuple):
+    """A checkpoint `save` made durable, and what it cost this rank."""
+
+    path: Path
+    write_seconds: float
+    """Seconds this rank spent writing and syncing its files (rank 0: the shared state and the publish too); the
+    rest of the stall is waiting for the other ranks at the barriers."""
+    bytes: int
+    """Size of the checkpoint folder (what every checkpoint writes; `plan` sizes it ahead)."""
+
+
 def save(output_dir: str | Path, step: int, rank: int, *, rank_state: dict[str, Any],
          ledger: list[dict[str, Any]], write_shared: Callable[[Path], None] | None,
-         barrier: Callable[[], None], keep: int = 2) -> Path:
+         barrier: Callable[[], None], keep: int = 2) -> Saved:
     """Checkpoint `step`, collective over the trainers (`barrier` syncs them): rank 0 stages the folder,
     every rank writes its ledger and its `trainer-<rank>.pt`, rank 0 also the shared files
-    (`write_shared(staging)`), and once all are written rank 0 publishes it. Returns the final folder."""
+    (`write_shared(staging)`), and once all are written rank 0 publishes it."""
+    started = time.perf_counter()
     if rank == 0:
         begin(output_dir, step)
+    written = time.perf_counter() - started
     barrier()
+    started = time.perf_counter()
     staging = RunDir(output_dir).staging(step)
     write_ledger(output_dir, rank, step, ledger)
     save_torch(rank_state, staging / rank_state_file(rank))
     if write_shared is not None:
         write_shared(staging)
+    written += time.perf_counter() - started
     barrier()
+    started = time.perf_counter()
     if rank == 0:
         publish(output_dir, step, keep)
+    written += time.perf_counter() - started
     barrier()
-    return RunDir(output_dir).checkpoint(step)
+    final = RunDir(output_dir).checkpoint(step)
+    return Saved(final, written, sum(f.stat().st_size for f in final.iterdir() if f.is_file()))
 
 
 def load(path: Path, rank: int, trainers: int) -> tuple[dict[str, Any], dict[str, Any]]:

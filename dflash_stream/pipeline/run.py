@@ -20,7 +20,15 @@ from dflash_stream.diskfull import retry_when_full
 from dflash_stream.errors import DFlashError
 from dflash_stream.log import get_logger, setup_logging
 from dflash_stream.observe.metrics import MetricsWriter, TrainingTracker, peak_store_bytes
-from dflash_stream.observe.summary import summary_table
+from dflash_stream.observe.summary import (
+    missing_parts,
+    part_name,
+    read_parts,
+    read_summary,
+    role_figures,
+    summary_table,
+)
+from dflash_stream.observe.units import fmt_duration
 from dflash_stream.pipeline.common import open_store, save_resolved_config, store_layout
 from dflash_stream.pipeline.guard import hold_output, stop_with_launcher
 from dflash_stream.pipeline.roles import RoleInfo, assign_role, init_distributed, resolve_launch
@@ -48,10 +56,10 @@ def _first_rank_opens_store(cfg: Config, role: RoleInfo, layer_ids: list[int], h
             hold_output(cfg, ("extract", "train"))
             save_resolved_config(cfg)
             from dflash_stream.observe.disk import check_run_disk
-            from dflash_stream.target_model import load_target_config
+            from dflash_stream.target_model import target_shape
 
             # The whole footprint (store budget, checkpoints, export, data, metrics) against the free disk.
-            check_run_disk(cfg, load_target_config(cfg.target), layer_ids)
+            check_run_disk(cfg, target_shape(cfg.target, download=True, hints=False, count=False), layer_ids)
             store = open_store(cfg, layer_ids, hidden_size)
             # A trainer's own claims survive: its checkpoint may record a half-trained segment it resumes.
             trainers = [f"trainer-{i}" for i in range(1 if single else cfg.roles.trainers)]
@@ -69,46 +77,79 @@ def _first_rank_opens_store(cfg: Config, role: RoleInfo, layer_ids: list[int], h
     return store if store is not None else open_store(cfg, layer_ids, hidden_size, create=False)
 
 
+SUMMARY_WAIT_S = 300.0
+"""How long trainer 0 waits for the other ranks' summary parts. An extractor leaves within a second of trainer 0's
+part appearing (it polls for it between re-extractions), so this only runs out when a rank died or hangs."""
+
+
 def _write_summary_part(output: Path, role: RoleInfo, fields: dict[str, Any]) -> None:
     path = RunDir(output).summary_part(role.role, role.index)
     path.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(path, json.dumps(fields))
+    # `written` tells this launch's parts from those an earlier launch of the same folder left.
+    write_atomic(path, json.dumps({**fields, "written": time.time()}))
 
 
-def write_summary(cfg: Config, store, started: float) -> dict[str, Any]:
-    """OUTPUT/summary.json from every rank's part and the store's records, and a closing table."""
+def expected_parts(cfg: Config, role: RoleInfo) -> list[str]:
+    """The summary parts one launch writes: one per rank."""
+    if role.role == "single":
+        return [part_name("single", 0)]
+    extractors = role.world_size - cfg.roles.trainers
+    return [part_name("extractor", i) for i in range(extractors)] + [
+        part_name("trainer", i) for i in range(cfg.roles.trainers)]
+
+
+def _wait_for_parts(run: RunDir, expected: list[str], started: float, wait_s: float) -> list[dict[str, Any]]:
+    """This launch's parts once all of `expected` exist, or those there are after `wait_s` seconds."""
+    deadline = time.monotonic() + wait_s
+    said = False
+    while True:
+        parts = read_parts(run.summary_part_files(), since=started)
+        missing = missing_parts(parts, expected)
+        if not missing or time.monotonic() >= deadline:
+            return parts
+        if not said:
+            log.info("waiting up to %s for the summary part(s) of %s (an extractor stays until training is over)",
+                     fmt_duration(wait_s), ", ".join(missing))
+            said = True
+        time.sleep(0.5)
+
+
+def write_summary(cfg: Config, store, started: float, expected: list[str],
+                  wait_s: float = SUMMARY_WAIT_S) -> dict[str, Any]:
+    """OUTPUT/summary.json from every rank's part and the store's records, and a closing table. Waits up to
+    `wait_s` for the parts in `expected`; those that did not come are listed in `missing_parts`."""
     run = RunDir(cfg.output_dir)
-    parts = [json.loads(p.read_text()) for p in run.summary_part_files()]
-    extractors = [p for p in parts if p["role"] in ("extractor", "single")]
-    trainers = [p for p in parts if p["role"] in ("trainer", "single")]
-    lead = next((p for p in trainers if p["index"] == 0), {})
+    parts = _wait_for_parts(run, expected, started, wait_s)
     # Counted from the store's records, so a resumed run reports the whole run, not only its last launch.
     published = store.published()
+    figures = role_figures(parts, expected)
     summary = {
         "samples_extracted": sum(len(info.sample_ids) for info in published),
         "tokens_extracted": sum(info.num_tokens for info in published),
-        "samples_trained": sum(p.get("samples_trained", 0) for p in trainers),
-        "steps": lead.get("steps", 0),
+        "samples_trained": figures.pop("samples_trained"),
+        "steps": figures.pop("steps"),
         "budget_bytes": int(cfg.store.budget),
         "peak_store_bytes": peak_store_bytes(run.root),
         "wall_seconds": round(time.time() - started, 2),
-        "extract_seconds": round(max((p.get("extract_seconds", 0.0) for p in extractors), default=0.0), 2),
-        "train_seconds": round(max((p.get("train_seconds", 0.0) for p in trainers), default=0.0), 2),
-        "trainer_data_wait_seconds": round(max((p.get("data_wait_seconds", 0.0) for p in trainers), default=0.0), 2),
-        "extractor_backpressure_seconds": round(
-            max((p.get("backpressure_seconds", 0.0) for p in extractors), default=0.0), 2
-        ),
-        "extractor_forward_stall_seconds": round(
-            max((p.get("stall_seconds", 0.0) for p in extractors), default=0.0), 2
-        ),
-        "final_loss": lead.get("final_loss"),
-        "checkpoint": lead.get("export"),
-        "eval": lead.get("eval"),
+        **figures,
     }
     write_atomic(run.summary, json.dumps(summary, indent=2))
+    if summary["missing_parts"]:
+        log.warning("summary.json lacks the figures of %s: no summary part after %s (that rank died or still runs);"
+                    " `status` adds them if they come later", ", ".join(summary["missing_parts"]),
+                    fmt_duration(wait_s))
     lines = summary_table(summary)
     print("\nrun summary (" + str(run.summary) + ")\n" + "\n".join(lines), flush=True)
     return summary
+
+
+def _complete_summary(cfg: Config) -> None:
+    """A rank that finished after trainer 0 gave up waiting for it adds its figures to summary.json itself. (No
+    summary yet: trainer 0 is still waiting and reads this rank's part itself.)"""
+    run = RunDir(cfg.output_dir)
+    summary = read_summary(run)
+    if summary is not None and summary != json.loads(run.summary.read_text()):
+        write_atomic(run.summary, json.dumps(summary, indent=2))
 
 
 def _finish_training(cfg: Config, role: RoleInfo, trainer) -> dict[str, Any]:
@@ -139,6 +180,9 @@ def _trainer_fields(trainer) -> dict[str, Any]:
         "final_loss": trainer.final_loss,
         "train_seconds": trainer.train_seconds,
         "data_wait_seconds": trainer.data_wait_seconds,
+        "checkpoints": trainer.checkpoints,
+        "checkpoint_stall_seconds": trainer.checkpoint_stall_seconds,
+        "checkpoint_write_seconds": trainer.checkpoint_write_seconds,
     }
 
 
@@ -227,8 +271,10 @@ def run_command(args: argparse.Namespace) -> int:
             return 143
         _write_summary_part(output, role, {"role": role.role, "index": role.index, **fields})
         if role.role in ("single", "trainer") and role.index == 0:
-            summary = write_summary(cfg, store, started)
+            summary = write_summary(cfg, store, started, expected_parts(cfg, role))
             metrics.log("end", summary=summary)
+        else:
+            _complete_summary(cfg)
     finally:
         metrics.close()
         lease.release_all()

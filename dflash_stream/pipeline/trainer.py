@@ -33,6 +33,7 @@ from dflash_stream.drafter.shapes import CompileWatch, ShapePlan, fixed_shapes_o
 from dflash_stream.errors import DFlashError
 from dflash_stream.log import get_logger, progress
 from dflash_stream.observe.metrics import MetricsWriter, TrainingTracker
+from dflash_stream.observe.units import fmt_bytes
 from dflash_stream.pipeline import checkpoint as ckpt
 from dflash_stream.pipeline.common import log_store_event
 from dflash_stream.pipeline.position import DataPosition
@@ -63,9 +64,9 @@ class Trainer:
 
     def __init__(self, cfg: Config, role: RoleInfo, store: Store, metrics: MetricsWriter, device: torch.device) -> None:
         from dflash_stream.drafter import DFlashDrafter, DrafterSpec, build_spec, load_target_head
-        from dflash_stream.drafter.export import SPEC
+        from dflash_stream.drafter.export import SPEC, load_init_weights
         from dflash_stream.store import SegmentReader
-        from dflash_stream.target_model import load_target_config, resolve_layer_ids
+        from dflash_stream.target_model import resolve_layer_ids, target_shape
 
         self.cfg, self.store, self.metrics, self.device = cfg, store, metrics, device
         self.run_dir = RunDir(cfg.output_dir)
@@ -76,13 +77,18 @@ class Trainer:
         resume = self.run_dir.latest_checkpoint()
 
         # The model and what trains it
+        init_from = cfg.drafter.init_from
         if resume is not None:
             self.spec = DrafterSpec(**json.loads((resume / SPEC).read_text()))
+            if init_from:  # exactly-once resume wins: the checkpoint holds the weights trained since
+                log.info("drafter.init_from ignored: resuming from %s", resume)
         else:
-            target_config = load_target_config(cfg.target)
-            layer_ids = resolve_layer_ids(target_config.num_hidden_layers, cfg.target)
-            self.spec = build_spec(cfg, target_config, layer_ids)
+            shape = target_shape(cfg.target, download=True, hints=False, count=False)
+            self.spec = build_spec(cfg, shape, resolve_layer_ids(shape.num_layers, cfg.target))
         self.drafter = DFlashDrafter(self.spec, attention=cfg.drafter.attention).to(device)
+        if resume is None and init_from:
+            load_init_weights(self.drafter, init_from)
+            log.info("drafter weights from %s (drafter.init_from)", init_from)
         self.bf16 = cfg.train.bf16_autocast(device.type)
         self.head = load_target_head(cfg.target, device, torch.bfloat16 if self.bf16 else torch.float32)
         decay = [p for p in self.drafter.parameters() if p.ndim >= 2]
@@ -114,6 +120,10 @@ class Trainer:
         self.final_loss: float | None = None
         self.train_seconds = 0.0
         self.latest_checkpoint: Path | None = None
+        # What checkpoints cost this launch: the release rule makes them frequent under a small budget.
+        self.checkpoints = 0
+        self.checkpoint_stall_seconds = 0.0  # training stood still: the write, the barriers, the release
+        self.checkpoint_write_seconds = 0.0  # of which this rank wrote and synced files
         self.data_wait_seconds = 0.0
         self._last_checkpoint_step = 0
         self._finished = False
@@ -174,18 +184,25 @@ class Trainer:
         as finished. A no-op when nothing was trained since the last one."""
         if self.steps == self._last_checkpoint_step:
             return
-        path = ckpt.save(
+        started = time.perf_counter()
+        saved = ckpt.save(
             self.run_dir.root, self.steps, self.index, rank_state=self._rank_state(),
             ledger=self.position.ledger_entries(), write_shared=self._write_shared if self.index == 0 else None,
             barrier=self._barrier, keep=self.cfg.train.keep_checkpoints,
         )
         # Durable now: what it records as finished may leave the store.
         released = self.position.release_finished()
+        stall = time.perf_counter() - started
+        self.checkpoints += 1
+        self.checkpoint_stall_seconds += stall
+        self.checkpoint_write_seconds += saved.write_seconds
         self._last_checkpoint_step = self.steps
-        self.latest_checkpoint = path
+        self.latest_checkpoint = saved.path
         self._revise_schedule()
-        log.info("checkpoint step-%d (%s); released %d segment use(s)", self.steps, reason, released)
-        self.metrics.log("checkpoint", step=self.steps, path=str(path), released=released, reason=reason)
+        log.info("checkpoint step-%d (%s); released %d segment use(s); training stood still %.2f s (%.2f s "
+                 "writing %s)", self.steps, reason, released, stall, saved.write_seconds, fmt_bytes(saved.bytes))
+        self.metrics.log("checkpoint", step=self.steps, path=str(saved.path), released=released, reason=reason,
+                         stall_s=round(stall, 4), write_s=round(saved.write_seconds, 4), bytes=saved.bytes)
         if self.index == 0:
             log_store_event(self.metrics, self.store)
 
@@ -507,11 +524,13 @@ def train_command(args: argparse.Namespace) -> int:
     metrics.log("start", config=cfg.model_dump(mode="json"))
     trainer = Trainer(cfg, role, store, metrics, device)
     trainer.data_wait.timeout = args.wait_timeout
+    trainer.data_wait.extract_command = f"dflash-stream extract --config {args.config}"
     try:
         finished = trainer.run()
         summary = {
             "steps": trainer.steps, "samples_trained": trainer.samples_trained, "final_loss": trainer.final_loss,
             "train_seconds": round(trainer.train_seconds, 2), "data_wait_seconds": round(trainer.data_wait_seconds, 2),
+            "checkpoints": trainer.checkpoints, "checkpoint_stall_seconds": round(trainer.checkpoint_stall_seconds, 2),
             "checkpoint": str(trainer.latest_checkpoint) if trainer.latest_checkpoint else None,
         }
         if finished and role.index == 0:

@@ -399,11 +399,17 @@ class Store:
                 for k, part in enumerate(r["redo"]) if f"{r['segment_id']}.{k}" not in redone]
 
     def redo_pending(self) -> bool:
+        return bool(self.redo_waiting())
+
+    def redo_waiting(self) -> list[dict[str, Any]]:
+        """The quarantined parts no writer has extracted again yet, of every writer: {segment_id, pass_index,
+        first_use, sample_ids} each (what a waiting trainer names)."""
         names = self._ls("quarantine")
         if not names:
-            return False
+            return []
         redone = {n.removesuffix(".redone") for n in names if n.endswith(".redone")}
-        return any(f"{r['segment_id']}.{k}" not in redone for r in self.quarantined() for k in range(len(r["redo"])))
+        return [{"segment_id": r["segment_id"], **part} for r in self.quarantined()
+                for k, part in enumerate(r["redo"]) if f"{r['segment_id']}.{k}" not in redone]
 
     def _finish_quarantine(self, record: dict[str, Any]) -> None:
         """Move a quarantined segment's files aside (or delete them) and drop its markers; repeatable, so that
