@@ -55,6 +55,9 @@ class TargetConfig(Section):
     """Only for `plan` without the model at hand (attention FLOPs; the drafter's heads by default)."""
     num_key_value_heads: int | None = Field(None, ge=1)
     """Only for `plan` without the model at hand (the regeneration KV cache)."""
+    linear_num_value_heads: int | None = Field(None, ge=1)
+    """Only for `plan` without the model at hand, with a Gated-DeltaNet `model_type` (its recurrent state per
+    sequence; the 27B Qwen3.5/3.6 have 48, transformers' default config 32)."""
     head_dim: int | None = Field(None, ge=1)
     """Only for `plan` without the model at hand (the regeneration KV cache)."""
     num_parameters: float | None = Field(None, gt=0)

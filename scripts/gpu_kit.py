@@ -2,6 +2,7 @@
 """The GPU readiness kit: the wheels a GPU machine's image lacks, carried in (it has no network).
 
     build   (here)   pip download the pinned cp312 manylinux x86_64 wheels into KIT and write KIT/manifest.json
+                     (with the Gated-DeltaNet kernels hybrid targets need on CUDA: fla-core and einops)
     verify  (either) every wheel of the manifest is there, intact (sha256), for CPython 3.12 on x86_64 Linux,
                      and the kit stays under its size limit
     install (there)  the required wheels, and each fallback wheel the running interpreter lacks (or has too old),
@@ -38,6 +39,11 @@ REQUIRED = [
 # Dependencies of the above that the image normally has (torch and transformers need them): installed only
 # where the interpreter lacks them or has a version below the one these packages require.
 FALLBACKS = {"numpy": "2.0", "packaging": "24.0", "typing-extensions": "4.16.0", "pyyaml": "5.1"}
+# Kernels for hybrid targets' Gated-DeltaNet layers (transformers imports `fla` when it loads Qwen3.5/3.6):
+# pure-Python Triton kernels, pinned here because they are not installed on the CPU machine (they need CUDA).
+# Installed where the interpreter lacks them or has an older version. causal-conv1d has no wheel on the
+# index (an sdist compiled against the CUDA torch), so the kit cannot carry it; transformers' torch conv serves.
+KERNELS = {"fla-core": "0.6.0", "einops": "0.8.2"}
 WHEEL_TAG = re.compile(r"-(?P<py>[^-]+)-(?P<abi>[^-]+)-(?P<plat>[^-]+)\.whl$")
 
 
@@ -93,6 +99,7 @@ def build(kit: Path) -> dict:
             pins.append(f"{name}=={importlib.metadata.version(name)}")
         except importlib.metadata.PackageNotFoundError:
             raise KitError(f"{name} is not installed here (run `make setup` first): the kit pins what is") from None
+    pins += [f"{name}=={version}" for name, version in KERNELS.items()]
     kit.mkdir(parents=True, exist_ok=True)
     for old in kit.glob("*.whl"):
         old.unlink()
@@ -106,10 +113,11 @@ def build(kit: Path) -> dict:
     wheels = []
     for path in sorted(kit.glob("*.whl")):
         name, version = _wheel_name_version(path.name)
+        role = "fallback" if name in FALLBACKS else "kernel" if name in KERNELS else "required"
         entry = {"file": path.name, "name": name, "version": version, "sha256": sha256(path),
-                 "bytes": path.stat().st_size, "role": "fallback" if name in FALLBACKS else "required"}
-        if name in FALLBACKS:
-            entry["min_version"] = FALLBACKS[name]
+                 "bytes": path.stat().st_size, "role": role}
+        if role != "required":
+            entry["min_version"] = FALLBACKS.get(name) or KERNELS[name]
         wheels.append(entry)
     manifest = {"python_version": PYTHON_VERSION, "platforms": PLATFORMS, "wheels": wheels,
                 "total_bytes": sum(w["bytes"] for w in wheels)}
@@ -126,7 +134,7 @@ def verify(kit: Path) -> dict:
         raise KitError(f"{path} not found: run `make gpu-kit` on the CPU machine first (and carry {kit.name})")
     manifest = json.loads(path.read_text())
     names = {w["name"] for w in manifest["wheels"]}
-    missing = sorted({canonical(n) for n in [*REQUIRED, *FALLBACKS]} - names)
+    missing = sorted({canonical(n) for n in [*REQUIRED, *FALLBACKS, *KERNELS]} - names)
     if missing:
         raise KitError(f"the kit lacks {', '.join(missing)}: run `make gpu-kit` again")
     for wheel in manifest["wheels"]:
@@ -152,11 +160,11 @@ def installed_version(name: str) -> str | None:
 
 
 def choose(manifest: dict, fallbacks: str) -> list[dict]:
-    """The wheels to install: every required one; fallbacks by `auto` (this interpreter lacks the package or has
-    one older than `min_version`), `all` or `none`."""
+    """The wheels to install: every required one; fallbacks and kernels by `auto` (this interpreter lacks the
+    package or has one older than `min_version`), `all` or `none`."""
     chosen = []
     for wheel in manifest["wheels"]:
-        if wheel["role"] == "fallback":
+        if wheel["role"] in ("fallback", "kernel"):
             have = installed_version(wheel["name"])
             too_old = have is None or version_tuple(have) < version_tuple(wheel["min_version"])
             if fallbacks == "none" or (fallbacks == "auto" and not too_old):

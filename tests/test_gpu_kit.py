@@ -42,11 +42,12 @@ def fake_wheel(folder: Path, name: str, version: str) -> Path:
 def fake_kit(folder: Path, fallback_min: str = "0") -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     wheels = []
-    for name in [*gpu_kit.REQUIRED, *gpu_kit.FALLBACKS]:
+    for name in [*gpu_kit.REQUIRED, *gpu_kit.FALLBACKS, *gpu_kit.KERNELS]:
         path = fake_wheel(folder, name, "1.0")
+        role = "fallback" if name in gpu_kit.FALLBACKS else "kernel" if name in gpu_kit.KERNELS else "required"
         entry = {"file": path.name, "name": name, "version": "1.0", "sha256": gpu_kit.sha256(path),
-                 "bytes": path.stat().st_size, "role": "fallback" if name in gpu_kit.FALLBACKS else "required"}
-        if name in gpu_kit.FALLBACKS:
+                 "bytes": path.stat().st_size, "role": role}
+        if role != "required":
             entry["min_version"] = fallback_min
         wheels.append(entry)
     manifest = {"python_version": "3.12", "platforms": gpu_kit.PLATFORMS, "wheels": wheels,
@@ -70,7 +71,7 @@ def test_wheel_tags_and_versions():
 
 def test_verify_names_each_problem(tmp_path, monkeypatch):
     kit = fake_kit(tmp_path / "kit")
-    assert len(gpu_kit.verify(kit)["wheels"]) == len(gpu_kit.REQUIRED) + len(gpu_kit.FALLBACKS)
+    assert len(gpu_kit.verify(kit)["wheels"]) == len(gpu_kit.REQUIRED) + len(gpu_kit.FALLBACKS) + len(gpu_kit.KERNELS)
 
     with pytest.raises(gpu_kit.KitError, match="not found: run `make gpu-kit`"):
         gpu_kit.verify(tmp_path / "none")
@@ -96,10 +97,11 @@ def test_verify_names_each_problem(tmp_path, monkeypatch):
 
 
 def test_fallbacks_only_where_this_interpreter_lacks_them(tmp_path):
-    """numpy is installed here: its fallback wheel goes in only if the installed one is older than required."""
+    """numpy is installed here: its fallback wheel goes in only if the installed one is older than required.
+    The GDN kernels (fla-core, einops) are not installed here (CUDA only): they go in like a missing fallback."""
     fallbacks = set(gpu_kit.FALLBACKS)
     new_enough = {w["name"] for w in gpu_kit.choose(gpu_kit.verify(fake_kit(tmp_path / "a", "0")), "auto")}
-    assert new_enough == {gpu_kit.canonical(n) for n in gpu_kit.REQUIRED}
+    assert new_enough == {gpu_kit.canonical(n) for n in [*gpu_kit.REQUIRED, *gpu_kit.KERNELS]}
     too_old = {w["name"] for w in gpu_kit.choose(gpu_kit.verify(fake_kit(tmp_path / "b", "999")), "auto")}
     assert fallbacks <= too_old
     manifest = gpu_kit.verify(fake_kit(tmp_path / "c", "0"))
@@ -110,7 +112,7 @@ def test_fallbacks_only_where_this_interpreter_lacks_them(tmp_path):
 def test_install_into_a_private_folder_with_pip_or_without(tmp_path, monkeypatch):
     kit = fake_kit(tmp_path / "kit")
     installed = gpu_kit.install(kit, tmp_path / "site", "all")
-    assert len(installed) == len(gpu_kit.REQUIRED) + len(gpu_kit.FALLBACKS)
+    assert len(installed) == len(gpu_kit.REQUIRED) + len(gpu_kit.FALLBACKS) + len(gpu_kit.KERNELS)
     probes = sorted(p.name for p in (tmp_path / "site").glob("kitprobe_*.py"))
     assert len(probes) == len(installed)
     # Without pip the wheels are unpacked the same way.
@@ -269,3 +271,52 @@ def test_local_json_rows_are_the_rows_datasets_reads(name):
     assert not malformed
     theirs = datasets.load_dataset("json", data_files=[path], split="train")
     assert [_without_none(r) for r in ours] == [_without_none(r) for r in theirs]
+
+
+def test_a_hybrid_target_on_cuda_without_the_gdn_kernels_is_named_once(caplog, monkeypatch):
+    """The decision is a pure function of (device type, layer types, importable?); `load_target` logs one line."""
+    import logging
+
+    import torch
+
+    from dflash_stream.target_model import loading
+    from dflash_stream.target_model.shape import TargetShape
+
+    hybrid = TargetShape("qwen3_5", 4, 64, 300, 96, "test", layer_types=("linear_attention",) * 3 + ("full_attention",))
+    dense = TargetShape("qwen3", 4, 64, 300, 96, "test", layer_types=("full_attention",) * 4)
+    nothing, everything = (lambda m: False), (lambda m: True)
+    assert loading.missing_gdn_kernels("cuda", hybrid, nothing) == ["fla", "causal_conv1d"]
+    assert loading.missing_gdn_kernels("cuda", hybrid, lambda m: m == "fla") == ["causal_conv1d"]
+    assert loading.missing_gdn_kernels("cuda", hybrid, everything) == []
+    assert loading.missing_gdn_kernels("cpu", hybrid, nothing) == []  # CUDA kernels: nothing to miss elsewhere
+    assert loading.missing_gdn_kernels("cuda", dense, nothing) == []
+
+    class Model:  # what warn_slow_gdn reads of a loaded model: its config
+        from transformers import Qwen3_5TextConfig
+
+        config = Qwen3_5TextConfig(num_hidden_layers=4, hidden_size=64, intermediate_size=96, vocab_size=300,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+
+    monkeypatch.setattr(loading, "_importable", nothing)  # as on a GPU image without the extras
+    with caplog.at_level(logging.WARNING, logger="dflash_stream.target"):
+        loading.warn_slow_gdn(Model(), torch.device("cpu"))
+        assert not caplog.records
+        loading.warn_slow_gdn(Model(), torch.device("cuda", 0))
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and "pip install 'dflash-stream[gpu]'" in lines[0] and "Gated-DeltaNet" in lines[0]
+
+
+def test_bench_gpu_hybrid_rehearses_on_the_cpu(tmp_path):
+    """The hybrid section's code on a tiny qwen3_5 target: both children (kernels importable or blocked) measure
+    extraction and regeneration, and the blocked side really has no kernel."""
+    cmd = [sys.executable, "-m", "dflash_stream", "bench", "gpu", "--hybrid-only", "--rehearse", "--json"]
+    done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    hybrid = json.loads(done.stdout)["hybrid"]
+    assert hybrid["ok"] and set(hybrid["speedup"]) == {"extract", "regenerate"}
+    for mode in ("kernels", "torch"):
+        side = hybrid[mode]
+        assert side["layer_types"] == {"linear_attention": 6, "full_attention": 2}
+        assert side["extract"]["tok_s"] > 0 and side["regenerate"]["tok_s"] > 0
+    assert not any(hybrid["torch"]["kernels_importable"].values())

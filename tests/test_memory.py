@@ -65,18 +65,18 @@ def test_drafter_and_target_parameter_counts_match_the_real_modules():
         model = LlamaForCausalLM(LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=96,
                                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                                              tie_word_embeddings=tied))
-        shape = TargetShape(2, 64, 300, 96, "test", 4, 2, 16, tied)
+        shape = TargetShape("llama", 2, 64, 300, 96, "test", 4, 2, 16, tie_word_embeddings=tied)
         assert target_dims(shape).num_parameters == sum(p.numel() for p in model.parameters())
         assert not target_dims(shape).assumed
 
 
 def test_unknown_target_widths_are_assumed_and_named():
-    dims = target_dims(TargetShape(64, 5120, None, None, "hints"))
+    dims = target_dims(TargetShape("llama", 64, 5120, None, None, "hints"))
     assert dims.vocab_size == 151_936 and dims.intermediate_size == 8 * 5120 // 3
     assert any("target.vocab_size" in a for a in dims.assumed)
     assert any("target.intermediate_size" in a for a in dims.assumed)
     assert any("target.num_key_value_heads" in a for a in dims.assumed)
-    assert target_dims(TargetShape(64, 5120, None, None, "hints", num_parameters=27e9)).num_parameters == 27e9
+    assert target_dims(TargetShape("llama", 64, 5120, None, None, "hints", num_parameters=27e9)).num_parameters == 27e9
 
 
 def test_worst_train_batch_is_the_batchers_largest():
@@ -291,3 +291,61 @@ def test_run_startup_check_refuses_or_warns(tmp_path):
 def test_gpu_memory_flag_is_validated(capsys):
     assert main(["plan", "--config", str(HEADLINE), "--gpu-memory", "lots"]) == 2
     assert "--gpu-memory" in capsys.readouterr().err
+
+
+def _family_shape(model_type: str, **fields):
+    from transformers import AutoConfig
+
+    from dflash_stream.target_model.shape import shape_from_config
+
+    return shape_from_config(AutoConfig.for_model(model_type, **fields), "test")
+
+
+def test_generation_cache_follows_the_layer_types():
+    """K/V only on attention layers (a sliding one at most its window), MLA's latent, a GDN state per sequence."""
+    dense = target_dims(_family_shape("qwen3", num_hidden_layers=4, hidden_size=64, intermediate_size=96,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=300))
+    assert dense.kv_cache_bytes(100, 2) == 4 * 100 * 2 * 2 * 16 * 2 and dense.state_bytes == 0
+    hybrid = target_dims(_family_shape(
+        "qwen3_5_text", num_hidden_layers=8, hidden_size=64, intermediate_size=96, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, vocab_size=300, linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4))
+    assert hybrid.kv_cache_bytes(100, 2) == 2 * 100 * 2 * 2 * 16 * 2  # every 4th layer: 2 of 8
+    recurrent, conv = 4 * 8 * 8, (2 * 2 * 8 + 4 * 8) * 3
+    assert hybrid.state_bytes == 6 * (recurrent + conv) * 4  # float32, whatever the length
+    gemma = target_dims(_family_shape(
+        "gemma3_text", num_hidden_layers=6, hidden_size=64, intermediate_size=96, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=16, vocab_size=300, sliding_window=32))
+    per_token_layer = 2 * 1 * 16 * 2
+    assert gemma.kv_cache_bytes(100, 2) == (1 * 100 + 5 * 32) * per_token_layer  # 5 local layers + 1 global
+    # The mean over a decode from 0 to 100 tokens: the local layers fill up at 32 and stay there.
+    assert gemma.mean_kv_cache_bytes(0, 100, 2) == pytest.approx((50 + 5 * (32 * 32 / 2 + 32 * 68) / 100)
+                                                                 * per_token_layer)
+    mla = target_dims(_family_shape(
+        "deepseek_v3", num_hidden_layers=2, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+        num_attention_heads=4, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+        q_lora_rank=None, vocab_size=300, first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=2))
+    assert mla.kv_cache_bytes(10, 2) == 2 * 10 * (16 + 8) * 2  # the compressed latent and the shared RoPE key
+    assert mla.active_parameters < mla.num_parameters  # FLOPs count 2 of 8 routed experts
+
+
+def test_regeneration_and_extraction_rates_use_the_layer_types_and_active_parameters(tmp_path: Path):
+    from dflash_stream.observe.plan import estimated_rates, regeneration_estimate
+
+    cfg = load_config(_config(tmp_path, data={"sources": [{"path": "org/x"}], "regenerate": True,
+                                              "max_length": 4096, "generation": {"batch_size": 8}}))
+    fields = dict(num_hidden_layers=8, hidden_size=512, intermediate_size=1024, num_attention_heads=8,
+                  num_key_value_heads=2, head_dim=64, vocab_size=1000)
+    dense = _family_shape("qwen3", **fields)
+    hybrid = _family_shape("qwen3_5_text", **fields)
+    r_dense = regeneration_estimate(cfg, target_dims(dense), 3000, "gpu")
+    r_hybrid = regeneration_estimate(cfg, target_dims(hybrid), 3000, "gpu")
+    assert r_hybrid["kv_bytes_read_per_step"] == pytest.approx(r_dense["kv_bytes_read_per_step"] / 4)
+    assert r_hybrid["state_bytes_per_step"] == 8 * 2 * target_dims(hybrid).state_bytes
+    assert r_dense["state_bytes_per_step"] == 0
+    moe = _family_shape("qwen3_moe", **fields, moe_intermediate_size=256, num_experts=16, num_experts_per_tok=2)
+    dims = target_dims(moe)
+    rate = estimated_rates(cfg, moe, [1, 3, 5], 1000)["extract_tok_s"]
+    # FLOPs per token: the active parameters of the 6 layers run (early stop after layer 5), not the total.
+    body = dims.active_parameters - 2 * 1000 * 512
+    assert rate == pytest.approx(4.0e14 / (2 * body / 8 * 6))

@@ -254,3 +254,29 @@ def test_plan_counts_the_host_memory_of_each_role():
                                                                        "--extract.queue_size=1"]))["host_memory"]
     assert smaller["extractor"]["total_bytes"] < host["extractor"]["total_bytes"] / 2
     assert smaller["trainer"]["total_bytes"] < host["trainer"]["total_bytes"] / 2
+
+
+def test_headline_config_plans_the_real_target(capsys) -> None:
+    """configs/qwen3.6-27b-4gpu.yaml is Qwen3.6-27B itself (issue 23's contract): its vocabulary, its 48 + 16
+    layer types from transformers' own qwen3_5 rules, the kernels its GDN layers are planned with, and the
+    published drafter's layout."""
+    config = Path(__file__).parents[1] / "configs" / "qwen3.6-27b-4gpu.yaml"
+    assert main(["plan", "--config", str(config), "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    t = plan["target"]
+    assert t["model_type"] == "qwen3_5" and t["num_layers"] == 64 and t["hidden_size"] == 5120
+    assert t["vocab_size"] == 248_320
+    assert t["layer_types"] == {"linear_attention": 48, "full_attention": 16}
+    assert t["num_parameters"] == t["active_parameters"] == 27e9
+    assert any("flash-linear-attention" in k and "dflash-stream[gpu]" in k for k in plan["kernels"])
+    # Only the 16 attention layers hold a KV cache; the 48 linear ones a fixed-size state per sequence.
+    parts = plan["memory"]["extractor"]["parts"]
+    cfg = load_config(config)
+    rows, length = cfg.data.generation.batch_size, cfg.data.max_length
+    assert parts["regeneration_kv_cache"] == rows * length * 16 * 2 * 4 * 256 * 2
+    assert parts["regeneration_linear_state"] > 0
+    d = cfg.drafter
+    assert d.layer_types == ["sliding_attention"] * 4 + ["full_attention"] and d.sliding_window == 2048
+    assert (d.num_attention_heads, d.num_key_value_heads, d.head_dim, d.intermediate_size) == (32, 8, 128, 17408)
+    assert d.mask_token_id == 248_070 and d.rope_theta == 1e7
+    assert cfg.target.layer_ids == [1, 16, 31, 46, 61]

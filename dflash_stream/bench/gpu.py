@@ -11,7 +11,11 @@ them (`bench/synthetic.py`). Throughput and memory depend on shapes, not on weig
 - the drafter's training step: compiled FlexAttention vs eager SDPA (tok/s, MFU, peak memory, the bf16 loss of
   the same first step within `LOSS_RTOL`), and with the chunked LM-head loss when the loss offers one;
 - a short `dflash-stream run` with `roles.mode: single` on the GPU: regeneration, extraction, training,
-  export, speculative eval, and `audit` ok.
+  export, speculative eval, and `audit` ok;
+- with `--hybrid` (or alone, `--hybrid-only`): a Qwen3.5/3.6-27B-shaped hybrid target (`bench/targets/
+  qwen3.5-27b.json`: 48 Gated-DeltaNet + 16 attention layers, 26.9B parameters, random bf16 weights on one
+  H200), extraction and regeneration tok/s with the Gated-DeltaNet kernels (flash-linear-attention,
+  causal-conv1d: whichever import) and with them blocked (transformers' torch path), each in a child process.
 
 MFU = model FLOPs / time / `PEAK_BF16_FLOPS`. Forward FLOPs are 2 x multiply-adds of the matmuls that run
 (early stop: only the layers up to the deepest captured one) plus causal attention pairs; a training step counts
@@ -32,6 +36,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -72,6 +77,10 @@ def register_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--run-attention", choices=["auto", "flex", "sdpa"], default="sdpa",
                    help="drafter.attention of the combined run (sdpa: no compile per batch shape; see issue 17)")
     p.add_argument("--workdir", default=None, help="where the store and the run go (default: a temporary folder)")
+    p.add_argument("--hybrid", action="store_true",
+                   help=f"also the {HYBRID_TARGET} hybrid target: extraction and regeneration with and without the "
+                        "Gated-DeltaNet kernels (two child processes, ~2 x 1 min on an H200)")
+    p.add_argument("--hybrid-only", action="store_true", help="only the hybrid target's section")
     p.add_argument("--rehearse", action="store_true", help="on the CPU with tiny shapes: checks the bench itself")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=bench_gpu)
@@ -384,8 +393,9 @@ def bench_train_step(spec, head, batch, initial: dict, variant: str, steps: int,
 
 def bench_training(capture, model, cfg, config, layer_ids, tokenizer, samples, args, device) -> dict[str, Any]:
     from dflash_stream.drafter import DFlashDrafter, TargetHead, build_spec
+    from dflash_stream.target_model import shape_from_config
 
-    spec = build_spec(cfg, config, layer_ids, tokenizer)
+    spec = build_spec(cfg, shape_from_config(config, "bench", count=False), layer_ids, tokenizer)
     head = TargetHead.from_model(model)
     batch = _train_batch(capture, samples, args.train_batch_tokens, device)
     torch.manual_seed(0)
@@ -471,6 +481,103 @@ def bench_run(args: argparse.Namespace, work: Path, tokenizer, device: torch.dev
     }
 
 
+# ----------------------------------------------------------------------------------------------- hybrid target
+HYBRID_TARGET = "qwen3.5-27b"
+"""Qwen3.5/3.6-27B's text model (64 layers: 48 Gated-DeltaNet + 16 full attention, hidden 5120, 26.9B parameters,
+53.8 GB in bf16): fits one H200 with room for the forwards and a generation batch."""
+HYBRID_TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 8, "num_attention_heads": 4,
+               "num_key_value_heads": 2, "head_dim": 16, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+               "linear_key_head_dim": 16, "linear_value_head_dim": 16, "vocab_size": 8192}
+HYBRID_SIZES = {"extract_rows": 4, "extract_length": 2048, "gen_rows": 16, "prompt": 256, "new_tokens": 64}
+HYBRID_SIZES_TINY = {"extract_rows": 2, "extract_length": 128, "gen_rows": 2, "prompt": 16, "new_tokens": 8}
+BLOCK_KERNELS = """
+import importlib.abc, sys
+class _NoKernels(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in {modules!r}:
+            raise ImportError(name + " is blocked: the torch path is measured")
+sys.meta_path.insert(0, _NoKernels())
+"""
+
+
+def hybrid_child(mode: str, rehearse: bool) -> dict[str, Any]:
+    """One side of the hybrid comparison, in its own process (transformers binds the Gated-DeltaNet kernels when
+    it first imports the model's module): extraction tok/s of the capture forward (hooks + early stop at the
+    DFlash layers) and regeneration tok/s of `model.generate` (greedy, a fixed number of new tokens)."""
+    from dflash_stream.bench.synthetic import build_target, target_config
+    from dflash_stream.target_model import dflash_layer_ids
+    from dflash_stream.target_model.capture import LayerCapture
+    from dflash_stream.target_model.loading import GDN_KERNEL_MODULES, _importable
+
+    device = torch.device("cpu") if rehearse else torch.device("cuda", torch.cuda.current_device())
+    sizes = HYBRID_SIZES_TINY if rehearse else HYBRID_SIZES
+    config = target_config(HYBRID_TARGET, **(HYBRID_TINY if rehearse else {}))
+    model = build_target(config, device, torch.float32 if rehearse else torch.bfloat16)
+    layer_ids = dflash_layer_ids(config.num_hidden_layers, 5)
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, config.vocab_size, (sizes["extract_rows"], sizes["extract_length"]), generator=generator)
+    ids, mask = ids.to(device), torch.ones_like(ids, device=device)
+    capture = LayerCapture(model, layer_ids)
+    capture(ids, mask)  # warm-up: kernels (Triton compiles here), allocator
+    _reset_peak(device)
+    extract_s = min(_timed(lambda: capture(ids, mask), device) for _ in range(3))
+    extract_peak = _peak(device)
+    capture.close()
+
+    prompts = torch.randint(3, config.vocab_size, (sizes["gen_rows"], sizes["prompt"]), generator=generator)
+    prompts = prompts.to(device)
+    new = sizes["new_tokens"]
+
+    @torch.inference_mode()
+    def generate(tokens: int) -> torch.Tensor:
+        return model.generate(input_ids=prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=tokens,
+                              min_new_tokens=tokens, do_sample=False, pad_token_id=0)
+
+    generate(2)  # warm-up: the decode kernels and the cache's first allocation
+    _reset_peak(device)
+    gen_s = _timed(lambda: generate(new), device)
+    return {
+        "mode": mode, "kernels_importable": {m: _importable(m) for m in GDN_KERNEL_MODULES},
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "layer_types": dict(Counter(config.layer_types)),
+        "extract": {"rows": sizes["extract_rows"], "length": sizes["extract_length"], "layer_ids": layer_ids,
+                    "tok_s": round(ids.numel() / extract_s, 1), "peak_bytes": extract_peak},
+        "regenerate": {"rows": sizes["gen_rows"], "prompt_tokens": sizes["prompt"], "new_tokens": new,
+                       "tok_s": round(sizes["gen_rows"] * new / gen_s, 1),
+                       "step_ms": round(gen_s / new * 1e3, 2), "peak_bytes": _peak(device)},
+    }
+
+
+def bench_hybrid(rehearse: bool, timeout: float = 240.0) -> dict[str, Any]:
+    """The Qwen3.5-27B-shaped hybrid target (random weights) with the Gated-DeltaNet kernels importable and
+    with them blocked (transformers' torch path), each in a child process; the kernels' speedup per phase."""
+    from dflash_stream.target_model.loading import GDN_KERNEL_MODULES
+
+    out: dict[str, Any] = {"target": HYBRID_TARGET + (" (tiny, --rehearse)" if rehearse else "")}
+    for mode in ("kernels", "torch"):
+        block = BLOCK_KERNELS.format(modules=set(GDN_KERNEL_MODULES)) if mode == "torch" else ""
+        code = (block + "import json\nfrom dflash_stream.bench.gpu import hybrid_child\n"
+                f"print(json.dumps(hybrid_child({mode!r}, {rehearse!r})))")
+        try:
+            done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            out[mode] = {"ok": False, "error": f"timed out after {timeout:.0f} s"}
+            continue
+        if done.returncode != 0:
+            tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["(no output)"]
+            out[mode] = {"ok": False, "error": tail[0][:300]}
+            continue
+        out[mode] = {"ok": True, **json.loads(done.stdout.strip().splitlines()[-1])}
+    fast, slow = out["kernels"], out["torch"]
+    out["ok"] = fast["ok"] and slow["ok"]
+    if out["ok"]:
+        # With no kernel importable on the "kernels" side both sides ran the torch path: say so, not 1.0x.
+        out["kernels_measured"] = any(fast["kernels_importable"].values())
+        out["speedup"] = {phase: round(fast[phase]["tok_s"] / slow[phase]["tok_s"], 3)
+                          for phase in ("extract", "regenerate")}
+    return out
+
+
 # ------------------------------------------------------------------------------------------------- command
 def bench_gpu(args: argparse.Namespace) -> int:
     if not args.rehearse and not torch.cuda.is_available():
@@ -485,6 +592,14 @@ def bench_gpu(args: argparse.Namespace) -> int:
 
     started = time.perf_counter()
     device = torch.device("cpu") if args.rehearse else torch.device("cuda", torch.cuda.current_device())
+    if args.hybrid_only:
+        log.info("hybrid target %s: with and without the Gated-DeltaNet kernels", HYBRID_TARGET)
+        hybrid = bench_hybrid(args.rehearse)
+        result = {"rehearsal": args.rehearse, "device": torch.cuda.get_device_name(device) if device.type == "cuda"
+                  else "cpu", "torch": torch.__version__, "cuda": torch.version.cuda, "hybrid": hybrid,
+                  "ok": hybrid["ok"], "seconds": round(time.perf_counter() - started, 1)}
+        print(json.dumps(result, indent=2) if args.json else _hybrid_table(hybrid))
+        return 0 if result["ok"] else 1
     work = Path(args.workdir or tempfile.mkdtemp(prefix="dflash-bench-gpu-"))
     work.mkdir(parents=True, exist_ok=True)
     config = target_config(args.target, **(TINY if args.rehearse else {}))
@@ -526,12 +641,16 @@ def bench_gpu(args: argparse.Namespace) -> int:
     if not args.skip_run:
         log.info("combined run (roles.mode single)")
         result["run"] = bench_run(args, work, tokenizer, device)
+    if args.hybrid:
+        log.info("hybrid target %s: with and without the Gated-DeltaNet kernels", HYBRID_TARGET)
+        result["hybrid"] = bench_hybrid(args.rehearse)
     t = result["train_step"]
     result["checks"] = {
         "flex_loss_equals_sdpa": t.get("loss_equal"),  # None where FlexAttention cannot train (CPU)
         "host_copies_equal": result["host_copies"]["copies_equal"],
         "train_steps_fit": not any("out_of_memory" in v for v in t["variants"].values()),
         "run_ok": result["run"]["ok"] if "run" in result else None,
+        "hybrid_ok": result["hybrid"]["ok"] if "hybrid" in result else None,
     }
     result["ok"] = all(v is not False for v in result["checks"].values())
     result["seconds"] = round(time.perf_counter() - started, 1)
@@ -565,5 +684,24 @@ def _table(r: dict[str, Any]) -> str:
         lines.append(f"          chunked loss: {t['chunked_loss']}")
     if "run" in r:
         lines.append(f"run       {json.dumps(r['run'])}")
+    if "hybrid" in r:
+        lines.append(_hybrid_table(r["hybrid"]))
     lines.append(f"checks {json.dumps(r['checks'])}: {'ok' if r['ok'] else 'FAILED'}; total {r['seconds']} s")
+    return "\n".join(lines)
+
+
+def _hybrid_table(h: dict[str, Any]) -> str:
+    lines = [f"hybrid    {h['target']}: extraction (capture forward) and regeneration (generate) tok/s"]
+    for mode in ("kernels", "torch"):
+        v = h[mode]
+        if not v["ok"]:
+            lines.append(f"          {mode:<8} FAILED: {v['error']}")
+            continue
+        have = ", ".join(f"{m} {'yes' if ok else 'no'}" for m, ok in v["kernels_importable"].items())
+        lines.append(f"          {mode:<8} extract {v['extract']['tok_s']:>10} tok/s   regenerate "
+                     f"{v['regenerate']['tok_s']:>8} tok/s ({v['regenerate']['step_ms']} ms per step)   [{have}]")
+    if h["ok"]:
+        note = "" if h["kernels_measured"] else "  (no kernel importable: both sides ran the torch path)"
+        lines.append(f"          kernels vs torch path: extract {h['speedup']['extract']}x, regenerate "
+                     f"{h['speedup']['regenerate']}x{note}")
     return "\n".join(lines)

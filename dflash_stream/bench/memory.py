@@ -242,12 +242,13 @@ def _trainer_estimate(size: dict[str, int], cuda: bool) -> tuple[int, dict[str, 
 
 def _extractor_estimate(size: dict[str, int], cuda: bool) -> tuple[int, dict[str, int]]:
     from dflash_stream.observe.memory import target_dims
-    from dflash_stream.observe.plan import TargetShape
+    from dflash_stream.target_model.shape import TargetShape
 
     t = TARGET
     dims: TargetDims = target_dims(TargetShape(
-        t["num_hidden_layers"], t["hidden_size"], t["vocab_size"], t["intermediate_size"], "bench",
-        t["num_attention_heads"], t["num_key_value_heads"], t["head_dim"], t["tie_word_embeddings"],
+        "llama", t["num_hidden_layers"], t["hidden_size"], t["vocab_size"], t["intermediate_size"], "bench",
+        t["num_attention_heads"], t["num_key_value_heads"], t["head_dim"],
+        tie_word_embeddings=t["tie_word_embeddings"],
     ))
     est = extractor_memory(dims, forward_shape(size["rows"], size["length"]), captured_layers=len(CAPTURED),
                            dtype_bytes=2 if cuda else 4)

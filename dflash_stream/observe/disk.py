@@ -21,11 +21,14 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dflash_stream.config import Config
 from dflash_stream.errors import DFlashError
 from dflash_stream.observe.units import fmt_bytes
+
+if TYPE_CHECKING:
+    from dflash_stream.target_model.shape import TargetShape
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 WEIGHT_BYTES = 4
@@ -65,24 +68,26 @@ class DrafterShape:
     source: str
 
 
-def drafter_shape(cfg: Config, target_config: Any | None, hidden_size: int, intermediate_size: int | None,
-                  num_context_layers: int) -> DrafterShape:
-    """The drafter's widths as `build_spec` derives them: `drafter.*` first, then the target's config (when at
-    hand), else the conservative assumptions of `drafter_params`."""
+def drafter_shape(cfg: Config, target: TargetShape, num_context_layers: int) -> DrafterShape:
+    """The drafter's widths as `build_spec` derives them: `drafter.*` first, then the target's shape (whose
+    head_dim is the one a drafter copies: MLA's value head, not its RoPE alias), else the conservative
+    assumptions of `drafter_params`."""
     d = cfg.drafter
-    tc = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
-    heads = d.num_attention_heads or getattr(tc, "num_attention_heads", None)
-    kv = d.num_key_value_heads or getattr(tc, "num_key_value_heads", None) or heads
-    head_dim = d.head_dim or getattr(tc, "head_dim", None) or (hidden_size // heads if heads else None)
-    inter = d.intermediate_size or getattr(tc, "intermediate_size", None) or intermediate_size
-    if tc is not None:
+    hidden = target.hidden_size
+    heads = d.num_attention_heads or target.num_attention_heads
+    kv = d.num_key_value_heads or target.num_key_value_heads or heads
+    head_dim = d.head_dim or target.head_dim or (hidden // heads if heads else None)
+    inter = d.intermediate_size or target.intermediate_size
+    if d.intermediate_size:
+        source = "config (drafter.*)"
+    elif target.config is not None:
         source = "the target's config"
     elif inter:
-        source = "config (target.intermediate_size)" if not d.intermediate_size else "config (drafter.*)"
+        source = "config (target.intermediate_size)"
     else:
         source = "assumed: MLP width 8/3 x hidden (set target.intermediate_size)"
-    return DrafterShape(hidden_size, inter or (8 * hidden_size) // 3, d.num_layers, heads, kv, head_dim,
-                        num_context_layers, source)
+    return DrafterShape(hidden, inter or (8 * hidden) // 3, d.num_layers, heads, kv, head_dim, num_context_layers,
+                        source)
 
 
 def drafter_params(shape: DrafterShape) -> int:
@@ -215,13 +220,12 @@ def refusal(cfg: Config, disk: dict[str, Any]) -> str | None:
     return None
 
 
-def check_run_disk(cfg: Config, target_config: Any, layer_ids: list[int]) -> dict[str, Any]:
-    """`run`'s start check: the footprint from the config and the target's config; DFlashError when it does
+def check_run_disk(cfg: Config, shape: TargetShape, layer_ids: list[int]) -> dict[str, Any]:
+    """`run`'s start check: the footprint from the config and the target's shape; DFlashError when it does
     not fit. The data's size comes from `plan`'s counting (local sources; hub sources count 0 here)."""
     from dflash_stream.observe.plan import footprint_for
 
-    tc = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
-    disk = footprint_for(cfg, len(layer_ids), tc.hidden_size, tc, samples=None, mean_tokens=None, tune=None)
+    disk = footprint_for(cfg, shape, len(layer_ids), samples=None, mean_tokens=None, tune=None)
     message = refusal(cfg, disk)
     if message:
         raise DFlashError(message)

@@ -4,8 +4,10 @@ Each role's peak is a sum of named parts, counted from what the code allocates (
 
 - extractor: the target's weights, then whichever of its two phases is larger (they alternate): the capture
   forward at `extract.batch_tokens` (one decoder layer's working set, the captured layers' states and their
-  concatenation), or regeneration (`model.generate`: the KV cache of a full generation batch and the prefill's
-  working set).
+  concatenation), or regeneration (`model.generate`: the cache of a full generation batch and the prefill's
+  working set). The cache follows the target's layer types (`target_model.shape`): K/V on attention layers
+  only (a sliding layer holds at most its window; MLA its compressed latent), and a fixed-size recurrent state
+  per sequence on linear-attention (Gated-DeltaNet) layers.
 - trainer: the drafter's parameters and AdamW states, the frozen target embedding and LM head, then whichever is
   larger of the backward phase (gradients, what autograd saved for backward at the worst micro-batch, the
   LM-head/loss chunk) and the optimizer step (gradients and the trainer's flattened all-reduce copies).
@@ -26,9 +28,10 @@ from pydantic import ByteSize, TypeAdapter, ValidationError
 from dflash_stream.config import Config, ConfigError
 from dflash_stream.errors import DFlashError
 from dflash_stream.observe.units import fmt_bytes
+from dflash_stream.target_model.shape import KV_LAYER_TYPES, SLIDING
 
 if TYPE_CHECKING:
-    from dflash_stream.observe.plan import TargetShape
+    from dflash_stream.target_model.shape import TargetShape
 
 GIB = 2**30
 DEFAULT_DEVICE_BYTES = 80 * GIB
@@ -37,6 +40,9 @@ USABLE_FRACTION = 0.9
 """Share of the device the estimate may fill: CUDA context, kernel workspaces, NCCL buffers and allocator
 fragmentation take the rest."""
 ASSUMED_VOCAB = 151_936
+STATE_DTYPE_BYTES = 4
+"""Bytes per element of a linear-attention layer's recurrent state: transformers' torch path and
+flash-linear-attention both keep it in float32, whatever the model's dtype."""
 
 # Bytes autograd keeps for backward in one draft layer, per block token and per unit of each width, counted on
 # the real drafter with torch.autograd.graph.saved_tensors_hooks (float32, and bf16 autocast with float32
@@ -68,21 +74,79 @@ def parse_size(text: str) -> int:
 
 @dataclass(frozen=True)
 class TargetDims:
-    num_layers: int
-    hidden_size: int
+    """The target's shape (`target_model.shape.TargetShape`, the one home of its facts) with each width it does
+    not give filled by a labelled assumption: what the memory and time models compute with."""
+
+    shape: TargetShape
     intermediate_size: int
     num_attention_heads: int
     num_key_value_heads: int
     head_dim: int
     vocab_size: int
-    tied: bool
     num_parameters: float
+    active_parameters: float
+    """Parameters one token runs through (MoE: routed experts top-k of n): what FLOPs are counted from."""
+    kv_elements_per_token_layer: int
+    """Cache elements one token adds to one attention layer (2 x KV heads x head_dim; MLA: the latent)."""
     assumed: tuple[str, ...] = ()
     """What was not known and had to be assumed (named in plan's output)."""
 
-    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        """KV cache of one token over all layers."""
-        return self.num_layers * 2 * self.num_key_value_heads * self.head_dim * dtype_bytes
+    @property
+    def num_layers(self) -> int:
+        return self.shape.num_layers
+
+    @property
+    def hidden_size(self) -> int:
+        return self.shape.hidden_size
+
+    @property
+    def tied(self) -> bool:
+        return self.shape.tie_word_embeddings
+
+    @property
+    def active_layer_parameters(self) -> float:
+        """Mean active parameters of one decoder layer: the active total without the embedding and the LM head
+        (a lookup, and a head the capture forward never runs). Hybrids average their layer kinds."""
+        body = self.active_parameters - self.vocab_size * self.hidden_size * (1 if self.tied else 2)
+        return max(body, 0.0) / self.num_layers
+
+    def _kv_layers(self) -> tuple[int, int]:
+        """(layers whose K/V grows with the sequence, sliding-window layers). Chunked-attention layers (Llama 4)
+        count as growing: an upper bound. Linear-attention layers keep no K/V (see `state_bytes`)."""
+        counts = self.shape.layer_type_counts
+        sliding = counts.get(SLIDING, 0)
+        return sum(n for kind, n in counts.items() if kind in KV_LAYER_TYPES) - sliding, sliding
+
+    def kv_cache_bytes(self, tokens: float, dtype_bytes: int) -> float:
+        """One sequence's K/V cache after `tokens` tokens, a sliding layer holding at most its window."""
+        growing, sliding = self._kv_layers()
+        window = self.shape.sliding_window or tokens
+        return (growing * tokens + sliding * min(tokens, window)) * self.kv_elements_per_token_layer * dtype_bytes
+
+    def mean_kv_cache_bytes(self, start: float, end: float, dtype_bytes: int) -> float:
+        """The K/V cache averaged over a decode from `start` to `end` tokens (what one step reads on average)."""
+        if end <= start:
+            return self.kv_cache_bytes(start, dtype_bytes)
+        growing, sliding = self._kv_layers()
+        window = self.shape.sliding_window or end
+        tokens = growing * (start + end) / 2 + sliding * _mean_capped(start, end, window)
+        return tokens * self.kv_elements_per_token_layer * dtype_bytes
+
+    @property
+    def state_bytes(self) -> int:
+        """One sequence's fixed-size state of all linear-attention layers (Gated-DeltaNet: recurrent + conv),
+        whatever its length; all of it counted in float32 (the conv state, a few % of it, is in the model's
+        dtype: a slight overestimate)."""
+        return self.shape.state_elements_per_sequence * STATE_DTYPE_BYTES
+
+
+def _mean_capped(start: float, end: float, cap: float) -> float:
+    """The mean of min(x, cap) for x uniform on [start, end] (start < end)."""
+    if end <= cap:
+        return (start + end) / 2
+    if start >= cap:
+        return cap
+    return ((cap * cap - start * start) / 2 + cap * (end - cap)) / (end - start)
 
 
 def target_dims(shape: TargetShape) -> TargetDims:
@@ -109,7 +173,9 @@ def target_dims(shape: TargetShape) -> TargetDims:
     tied = bool(shape.tie_word_embeddings)
     per_layer = 2 * d * heads * head_dim + 2 * d * kv_heads * head_dim + 3 * d * inter + 2 * d
     params = shape.num_parameters or shape.num_layers * per_layer + vocab * d * (1 if tied else 2) + d
-    return TargetDims(shape.num_layers, d, inter, heads, kv_heads, head_dim, vocab, tied, params, tuple(assumed))
+    active = shape.active_parameters or params
+    kv_elements = shape.kv_bytes_per_token_layer or 2 * kv_heads * head_dim
+    return TargetDims(shape, inter, heads, kv_heads, head_dim, vocab, params, active, kv_elements, tuple(assumed))
 
 
 @dataclass(frozen=True)
@@ -304,11 +370,13 @@ def extractor_memory(t: TargetDims, shape: ForwardShape, *, captured_layers: int
     phases = {"forward": sum(parts.values())}
     if generation is not None:
         batch, length = generation
-        parts["regeneration_kv_cache"] = batch * length * t.kv_bytes_per_token(dtype_bytes)
+        parts["regeneration_kv_cache"] = int(batch * t.kv_cache_bytes(length, dtype_bytes))
+        if t.state_bytes:  # hybrids: each row's linear-attention layers keep a fixed-size state instead
+            parts["regeneration_linear_state"] = batch * t.state_bytes
         # The prefill runs the whole prompt batch through every layer (prompts may be nearly max_length long).
         parts["regeneration_prefill"] = forward_working_set(t, forward_shape(batch, length), dtype_bytes, dtype_bytes)
         phases["regenerate"] = (parts["target_weights"] + parts["regeneration_kv_cache"]
-                                + parts["regeneration_prefill"])
+                                + parts.get("regeneration_linear_state", 0) + parts["regeneration_prefill"])
     return Estimate(parts, phases)
 
 
@@ -451,10 +519,10 @@ def startup_check(cfg: Config, role: str, device_bytes: int) -> str | None:
     """`run`'s check on a GPU of `device_bytes` before any work: raises (naming the knob) when this role's
     estimate exceeds the whole device, returns a warning line when it exceeds the usable share, else None.
     `role` is extractor, trainer or single (one process holding both)."""
-    from dflash_stream.observe.plan import target_shape
     from dflash_stream.target_model import resolve_layer_ids
+    from dflash_stream.target_model.shape import target_shape
 
-    shape = target_shape(cfg, allow_download=True)
+    shape = target_shape(cfg.target, download=True)
     single = role == "single"
     mem = memory_plan(cfg, shape, resolve_layer_ids(shape.num_layers, cfg.target), "gpu", device_bytes,
                       single=single)

@@ -10,15 +10,16 @@ from __future__ import annotations
 import json
 import math
 import shutil
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from dflash_stream.config import REPLAY_WINDOW_BYTES, Config, ConfigError
-from dflash_stream.observe.memory import ASSUMED_VOCAB, TargetDims, memory_plan, render_memory, target_dims
+from dflash_stream.observe.memory import TargetDims, drafter_dims, memory_plan, render_memory, target_dims
 from dflash_stream.observe.units import fmt_bytes, fmt_count, fmt_duration
+from dflash_stream.target_model.loading import GPU_EXTRA_INSTALL, TORCH_GDN_SLOWDOWN
+from dflash_stream.target_model.shape import LINEAR, TargetShape, target_shape
 
 # The codec's design ratio (store/codecs.py, measured on SmolLM2-135M states) until `tune` measures this target.
 DESIGN_RATIO_NOTE = "measured on SmolLM2-135M states, README Benchmarks (run `tune` to measure this target)"
@@ -45,49 +46,6 @@ PHASES = [
     ("train", "DFlash drafter steps on claimed segments; checkpoints (OUTPUT/checkpoints/) free the segments"),
     ("export", "the drafter in z-lab format for vLLM/SGLang (OUTPUT/drafter/)"),
 ]
-
-
-@dataclass
-class TargetShape:
-    num_layers: int
-    hidden_size: int
-    vocab_size: int | None
-    intermediate_size: int | None
-    source: str
-    num_attention_heads: int | None = None
-    num_key_value_heads: int | None = None
-    head_dim: int | None = None
-    tie_word_embeddings: bool | None = None
-    num_parameters: float | None = None
-    config: Any = None
-    """The target's text config when it was read (widths and heads for the drafter's size)."""
-
-
-def target_shape(cfg: Config, allow_download: bool = False) -> TargetShape:
-    """Depth and width from target.num_layers/hidden_size (and the other plan hints), else from the model's
-    config: a local one, or with `allow_download` (a run that loads the model anyway) one from the hub."""
-    t = cfg.target
-    if t.num_layers and t.hidden_size:
-        return TargetShape(t.num_layers, t.hidden_size, t.vocab_size, t.intermediate_size,
-                           "config (target.num_layers, target.hidden_size)", None, t.num_key_value_heads,
-                           t.head_dim, None, t.num_parameters)
-    from dflash_stream.target_model import load_target_config, model_location
-
-    location, _ = model_location(t)
-    if not allow_download and not Path(location).exists():
-        raise ConfigError(
-            f"target.model '{t.model}' is not a local folder: set target.num_layers and target.hidden_size "
-            "so that plan needs no download"
-        )
-    tc = load_target_config(t)
-    tc = tc.get_text_config() if hasattr(tc, "get_text_config") else tc  # multimodal targets nest it
-    what = f"GGUF header of {t.gguf_file}" if t.gguf_file else f"{Path(location) / 'config.json'}"
-    return TargetShape(
-        tc.num_hidden_layers, tc.hidden_size, getattr(tc, "vocab_size", None),
-        getattr(tc, "intermediate_size", None), what, getattr(tc, "num_attention_heads", None),
-        getattr(tc, "num_key_value_heads", None), getattr(tc, "head_dim", None),
-        getattr(tc, "tie_word_embeddings", None), t.num_parameters, tc,
-    )
 
 
 def read_launch(path: str | None, processes: int | None) -> dict[str, Any]:
@@ -151,12 +109,6 @@ def read_tune(cfg: Config, shape: TargetShape, layer_ids: list[int]) -> tuple[di
     return tune, None
 
 
-def _layer_params(hidden: int, intermediate: int | None) -> int:
-    """Weights of one Llama/Qwen-style decoder layer: attention ~4·D², gated MLP 3·D·I (I defaults to 8/3·D)."""
-    inter = intermediate or (8 * hidden) // 3
-    return 4 * hidden * hidden + 3 * hidden * inter
-
-
 def device_kind(cfg: Config) -> str:
     return "cpu" if cfg.target.device == "cpu" else "gpu"
 
@@ -165,22 +117,21 @@ def estimated_rates(cfg: Config, shape: TargetShape, layer_ids: list[int], mean_
     """Tokens/s of one extractor and one trainer from FLOP counts at an assumed effective device throughput."""
     kind = device_kind(cfg)
     flops = ASSUMED_FLOPS[kind]
-    # Early stop: the forward runs only up to the deepest captured layer.
-    extract_per_token = 2 * _layer_params(shape.hidden_size, shape.intermediate_size) * (max(layer_ids) + 1)
-    d = cfg.drafter.hidden_size or shape.hidden_size
-    vocab = shape.vocab_size or ASSUMED_VOCAB
-    # The drafter's MLP is the target's width unless drafter.intermediate_size says otherwise (build_spec).
-    inter = cfg.drafter.intermediate_size or shape.intermediate_size
+    dims = target_dims(shape)
+    # Early stop: the forward runs only up to the deepest captured layer, through each layer's active
+    # parameters (MoE: the routed experts top-k of n).
+    extract_per_token = 2 * dims.active_layer_parameters * (max(layer_ids) + 1)
+    drafter = drafter_dims(cfg, dims, len(layer_ids))
+    d, vocab = drafter.hidden_size, dims.vocab_size
     # Per block token: drafter layers forward+backward (6·P) and the frozen LM head (forward + input grad, 4·V·D).
-    per_block_token = 6 * _layer_params(d, inter) * cfg.drafter.num_layers + 4 * vocab * d
+    per_block_token = 6 * (drafter.linear_parameters - drafter.context_layers * d * d) + 4 * vocab * d
     blocks = min(cfg.train.num_anchors, mean_tokens)
     per_sample = blocks * cfg.drafter.block_size * per_block_token + 6 * len(layer_ids) * shape.hidden_size * d * mean_tokens
-    note = (f"estimated: FLOP count at an assumed {flops / 1e12:g} TFLOP/s effective per {kind.upper()} process"
-            + ("" if shape.vocab_size else f", vocab assumed {ASSUMED_VOCAB:,}"))
+    note = f"estimated: FLOP count at an assumed {flops / 1e12:g} TFLOP/s effective per {kind.upper()} process"
     return {
         "extract_tok_s": flops / extract_per_token,
         "train_tok_s": flops * mean_tokens / per_sample,
-        "note": note,
+        "note": note + ("" if shape.vocab_size else f", vocab assumed {vocab:,}"),
     }
 
 
@@ -236,9 +187,8 @@ def disk_space(cfg: Config, budget: int) -> dict[str, Any]:
             "headroom_bytes": free - budget}
 
 
-def footprint_for(cfg: Config, num_capture_layers: int, hidden_size: int, target_config: Any | None,
-                  samples: int | None, mean_tokens: float | None, tune: dict | None,
-                  intermediate_size: int | None = None, ratio: float | None = None) -> dict[str, Any]:
+def footprint_for(cfg: Config, target: TargetShape, num_capture_layers: int, samples: int | None,
+                  mean_tokens: float | None, tune: dict | None, ratio: float | None = None) -> dict[str, Any]:
     """The whole disk footprint (observe/disk.py) from the plan's figures; unknown ones are counted here."""
     from dflash_stream.observe import disk
 
@@ -246,12 +196,12 @@ def footprint_for(cfg: Config, num_capture_layers: int, hidden_size: int, target
         samples = _samples(cfg, None)[0]
     if mean_tokens is None:
         mean_tokens = _mean_tokens(cfg, None, tune)[0]
-    shape = disk.drafter_shape(cfg, target_config, hidden_size, intermediate_size, num_capture_layers)
+    shape = disk.drafter_shape(cfg, target, num_capture_layers)
     params = disk.drafter_params(shape)
     from dflash_stream.store import codecs, sizes
 
     ratio = ratio or codecs.get(cfg.store.codec).design_ratio
-    per_sample = sizes.raw_bytes_per_token(num_capture_layers * hidden_size) * mean_tokens
+    per_sample = sizes.raw_bytes_per_token(num_capture_layers * target.hidden_size) * mean_tokens
     tokens = samples * mean_tokens if samples else None
     steps = cfg.train.total_steps or (math.ceil(tokens * cfg.train.epochs / (
         cfg.train.batch_tokens * cfg.train.grad_accum * disk.trainer_count(cfg))) if tokens else None)
@@ -274,7 +224,7 @@ def build_plan(cfg: Config, samples: int | None = None, mean_tokens: float | Non
     from dflash_stream.target_model import resolve_layer_ids
 
     launch = read_launch(launch_file, processes)
-    shape = target_shape(cfg)
+    shape = target_shape(cfg.target)
     layer_ids = resolve_layer_ids(shape.num_layers, cfg.target)
     warnings: list[str] = []
     tune, tune_ignored = read_tune(cfg, shape, layer_ids)
@@ -333,8 +283,7 @@ def build_plan(cfg: Config, samples: int | None = None, mean_tokens: float | Non
                         "often wait for the extractor; lower store.segment_bytes or raise the budget")
 
     disk = disk_space(cfg, budget)
-    disk.update(footprint_for(cfg, len(layer_ids), shape.hidden_size, shape.config, n_samples, mean, tune,
-                              shape.intermediate_size, ratio))
+    disk.update(footprint_for(cfg, shape, len(layer_ids), n_samples, mean, tune, ratio))
     if not disk["fits"]:
         from dflash_stream.observe.disk import refusal
 
@@ -372,8 +321,7 @@ def build_plan(cfg: Config, samples: int | None = None, mean_tokens: float | Non
                  f"{fmt_bytes(memory['usable_bytes'])} usable): {memory[role]['knob']}"
                  for role in ("extractor", "trainer") if not memory[role]["fits"]]
     return {
-        "target": {"model": cfg.target.model, "source": shape.source, "num_layers": shape.num_layers,
-                   "hidden_size": shape.hidden_size, "layer_ids": layer_ids,
+        "target": {"model": cfg.target.model, "source": shape.source, **shape.summary(), "layer_ids": layer_ids,
                    "layer_ids_source": "target.layer_ids" if cfg.target.layer_ids else "DFlash rule"},
         "launch": launch,
         "data": {"samples": n_samples, "samples_source": samples_source, "mean_tokens": mean,
@@ -382,6 +330,7 @@ def build_plan(cfg: Config, samples: int | None = None, mean_tokens: float | Non
         "volume": volume, "buffer": buffer, "disk": disk, "time": time_plan, "roles": roles, "memory": memory,
         "epochs": _epoch_costs(cfg, time_plan, volume, tokens),
         "store_cores": store_cores(codec, width, time_plan, tune),
+        "kernels": kernel_assumptions(shape, device_kind(cfg)),
         "host_memory": host_memory(cfg, width, ratio),
         "warnings": warnings,
     }
@@ -389,33 +338,53 @@ def build_plan(cfg: Config, samples: int | None = None, mean_tokens: float | Non
 
 def regeneration_estimate(cfg: Config, dims: TargetDims, mean: float, kind: str) -> dict[str, Any]:
     """Seconds per sample to regenerate its response on one process. Decoding is memory-bandwidth bound: each
-    step reads all the weights and the batch's KV cache once, and yields one token per row of the batch."""
+    step reads all the weights and the batch's cache once, and yields one token per row of the batch. The cache
+    follows the layer types: K/V on attention layers only (sliding ones up to their window), and on
+    linear-attention layers a fixed-size state that each step reads and writes back."""
     from dflash_stream.observe.memory import target_dtype_bytes
 
     gen = cfg.data.generation
     prompt = mean * PROMPT_SHARE
     steps = max(1.0, min(gen.max_new_tokens, cfg.data.max_length - prompt))
     dtype_bytes = target_dtype_bytes(cfg, kind)
+    # All the weights: a MoE batch of rows x top-k routes touches most experts every step.
     weights = dims.num_parameters * dtype_bytes
-    kv_read = gen.batch_size * (prompt + steps / 2) * dims.kv_bytes_per_token(dtype_bytes)
+    kv_read = gen.batch_size * dims.mean_kv_cache_bytes(prompt, prompt + steps, dtype_bytes)
+    state_traffic = gen.batch_size * 2 * dims.state_bytes
     bandwidth, flops = ASSUMED_BANDWIDTH[kind], ASSUMED_FLOPS[kind]
-    step = max((weights + kv_read) / bandwidth, 2 * dims.num_parameters * gen.batch_size / flops)
-    prefill = prompt * 2 * dims.num_parameters / flops  # compute bound, like extraction
+    step = max((weights + kv_read + state_traffic) / bandwidth, 2 * dims.active_parameters * gen.batch_size / flops)
+    prefill = prompt * 2 * dims.active_parameters / flops  # compute bound, like extraction
+    cache = f"the batch's mean KV cache ({fmt_bytes(kv_read)})"
+    if state_traffic:
+        cache += f" and its linear-attention state, read and written ({fmt_bytes(state_traffic)})"
     return {
         "seconds_per_sample": steps * step / gen.batch_size + prefill,
         "step_seconds": step, "decode_steps_per_batch": steps, "batch_size": gen.batch_size,
         "prompt_tokens": prompt, "response_tokens": mean - prompt,
-        "weight_bytes": weights, "kv_bytes_read_per_step": kv_read, "bandwidth_bytes_per_s": bandwidth,
+        "weight_bytes": weights, "kv_bytes_read_per_step": kv_read, "state_bytes_per_step": state_traffic,
+        "bandwidth_bytes_per_s": bandwidth,
         "assumptions": [
             f"prompt/response split {PROMPT_SHARE:.0%}/{1 - PROMPT_SHARE:.0%} of the {mean:,.0f} tokens per sample "
             f"(prompt {prompt:,.0f}, response {mean - prompt:,.0f})",
             f"a batch of {gen.batch_size} decodes {steps:,.0f} steps (until its longest response: assumed to run "
             "to data.generation.max_new_tokens or max_length)",
-            f"each step reads the weights ({fmt_bytes(weights)}) and the batch's mean KV cache "
-            f"({fmt_bytes(kv_read)}) at an assumed {bandwidth / 1e12:g} TB/s effective per {kind.upper()} process",
+            f"each step reads the weights ({fmt_bytes(weights)}) and {cache} at an assumed "
+            f"{bandwidth / 1e12:g} TB/s effective per {kind.upper()} process",
             f"prefill compute bound at {flops / 1e12:g} TFLOP/s effective",
         ],
     }
+
+
+def kernel_assumptions(shape: TargetShape, kind: str) -> list[str]:
+    """The kernels plan's rates assume for this target's layer types (empty for plain attention targets)."""
+    if LINEAR not in shape.layer_type_counts:
+        return []
+    if kind == "cpu":
+        return ["Gated-DeltaNet layers: transformers' torch path (flash-linear-attention and causal-conv1d are "
+                "GPU kernels)"]
+    return [f"Gated-DeltaNet layers via flash-linear-attention + causal-conv1d (`{GPU_EXTRA_INSTALL}`); without "
+            f"them transformers' torch path is ~{TORCH_GDN_SLOWDOWN:.1f}x slower (transformers #48718: 1.22 s vs "
+            "0.70 s per step), and `run` says so when it loads the target"]
 
 
 def role_work(cfg: Config, shape: TargetShape, layer_ids: list[int], mean: float, tune: dict | None
@@ -492,7 +461,7 @@ def plan_roles(cfg: Config, processes: int, allow_download: bool = False) -> dic
     """The split `plan` would choose for a launch of `processes` (what `run` uses for roles.trainers: auto)."""
     from dflash_stream.target_model import resolve_layer_ids
 
-    shape = target_shape(cfg, allow_download=allow_download)
+    shape = target_shape(cfg.target, download=allow_download)
     layer_ids = resolve_layer_ids(shape.num_layers, cfg.target)
     tune, _ = read_tune(cfg, shape, layer_ids)
     mean, _ = _mean_tokens(cfg, None, tune)
@@ -557,6 +526,19 @@ def _epoch_costs(cfg: Config, time_plan: dict, volume: dict, tokens: float | Non
     }
 
 
+def _fmt_layer_types(counts: dict[str, int]) -> str:
+    return " + ".join(f"{n} {kind.removesuffix('_attention')}" for kind, n in counts.items())
+
+
+def _fmt_params(t: dict[str, Any]) -> str:
+    total, active = t.get("num_parameters"), t.get("active_parameters")
+    if not total:
+        return "parameters unknown"
+    if active and active < 0.99 * total:
+        return f"{total / 1e9:.1f}B parameters, {active / 1e9:.1f}B active"
+    return f"{total / 1e9:.1f}B parameters"
+
+
 def _fmt_share(share: float | None) -> str:
     return "?" if share is None else f"{share:.2%}"
 
@@ -568,7 +550,8 @@ def render_plan(plan: dict[str, Any]) -> str:
 
     t, d, v, b, disk, tp = (plan[k] for k in ("target", "data", "volume", "buffer", "disk", "time"))
     out = [
-        f"target  {t['model']}: {t['num_layers']} layers, hidden {t['hidden_size']}  [{t['source']}]",
+        f"target  {t['model']}: {t['num_layers']} layers ({_fmt_layer_types(t['layer_types'])}), hidden "
+        f"{t['hidden_size']}, vocab {fmt_count(t['vocab_size'])}, {_fmt_params(t)}  [{t['source']}]",
         f"        layer ids {t['layer_ids']}  [{t['layer_ids_source']}]",
         f"data    {fmt_count(d['samples'])} samples  [{d['samples_source']}]",
         f"        {d['mean_tokens']:,.0f} tokens per sample  [{d['mean_tokens_source']}]"
@@ -607,6 +590,7 @@ def render_plan(plan: dict[str, Any]) -> str:
     out += ["", *_render_roles(plan["launch"], plan["roles"])]
     mode = "extractors and trainers side by side" if tp["overlapped"] else "one process alternates"
     out += ["", f"time  ({tp['processes']} process(es), {mode})"]
+    out += [f"  kernels: {k}" for k in plan.get("kernels", [])]
     data = tp["phases"]["data"]
     if tp["regenerate"]:
         r = tp["regenerate"]

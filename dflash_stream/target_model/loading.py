@@ -2,17 +2,29 @@
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dflash_stream.config import ConfigError, TargetConfig
+from dflash_stream.log import get_logger
 from dflash_stream.preflight import looks_local
 
 if TYPE_CHECKING:
     import torch
-    from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+    from dflash_stream.target_model.shape import TargetShape
+
+GDN_KERNEL_MODULES = ("fla", "causal_conv1d")
+"""What transformers imports for fast Gated-DeltaNet layers on CUDA (flash-linear-attention's chunked delta rule,
+Dao-AILab's causal conv1d); without them it runs a torch reference path."""
+GPU_EXTRA_INSTALL = "pip install 'dflash-stream[gpu]'"
+TORCH_GDN_SLOWDOWN = 1.22 / 0.70
+"""transformers #48718: a Qwen3.5 step took 1.22 s on the torch path against 0.70 s with the kernels."""
 
 
 def model_location(target: TargetConfig) -> tuple[str, dict[str, Any]]:
@@ -71,6 +83,36 @@ def resolve_dtype(target: TargetConfig, device: torch.device) -> torch.dtype:
     return getattr(torch, target.dtype)
 
 
+def missing_gdn_kernels(device_type: str, shape: TargetShape, importable: Callable[[str], bool]) -> list[str]:
+    """The Gated-DeltaNet kernel modules a CUDA run of this target would miss (`importable(module)` says whether
+    one imports); empty off CUDA (the kernels are CUDA-only) and for targets without linear-attention layers."""
+    from dflash_stream.target_model.shape import LINEAR
+
+    if device_type != "cuda" or LINEAR not in shape.layer_type_counts:
+        return []
+    return [m for m in GDN_KERNEL_MODULES if not importable(m)]
+
+
+def _importable(module: str) -> bool:
+    """Whether `module` imports: transformers' own test (an installed fla without triton falls back too)."""
+    try:
+        importlib.import_module(module)
+    except Exception:
+        return False
+    return True
+
+
+def warn_slow_gdn(model: PreTrainedModel, device: torch.device) -> None:
+    """One warning line when a hybrid target runs on CUDA without the kernels that make its linear layers fast."""
+    from dflash_stream.target_model.shape import model_shape
+
+    missing = missing_gdn_kernels(device.type, model_shape(model), _importable)
+    if missing:
+        get_logger("target").warning(
+            "%s not importable: transformers runs this target's Gated-DeltaNet layers on its torch path, "
+            "~%.1fx slower (transformers #48718); %s", " and ".join(missing), TORCH_GDN_SLOWDOWN, GPU_EXTRA_INSTALL)
+
+
 def load_target(target: TargetConfig, device: torch.device) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """(model, tokenizer) of the target, in eval mode on `device`, frozen."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -85,12 +127,8 @@ def load_target(target: TargetConfig, device: torch.device) -> tuple[PreTrainedM
         # Padding positions are masked out; any id will do, and eos always exists.
         tokenizer.pad_token = tokenizer.eos_token
     model.to(device).eval().requires_grad_(False)
+    warn_slow_gdn(model, device)
     return model, tokenizer
-
-
-def text_config(model: PreTrainedModel) -> PretrainedConfig:
-    """The language model's config (multimodal targets nest it)."""
-    return model.config.get_text_config()
 
 
 def stop_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> set[int]:

@@ -195,7 +195,8 @@ def _shape_from_hints(t: TargetConfig) -> TargetShape:
     them (its layer pattern, heads and state sizes follow the family's rules), or the bare widths."""
     hints = {"num_hidden_layers": t.num_layers, "hidden_size": t.hidden_size, "vocab_size": t.vocab_size,
              "intermediate_size": t.intermediate_size, "num_attention_heads": t.num_attention_heads,
-             "num_key_value_heads": t.num_key_value_heads, "head_dim": t.head_dim}
+             "num_key_value_heads": t.num_key_value_heads, "head_dim": t.head_dim,
+             "linear_num_value_heads": t.linear_num_value_heads}
     hints = {k: v for k, v in hints.items() if v is not None}
     if t.model_type:
         from transformers import AutoConfig
