@@ -64,7 +64,7 @@ def test_sliding_and_mla_attention_widths():
     deepseek = shape_from_config(build_config("deepseek_v3"), "test")
     # `head_dim` of a DeepSeek config aliases the narrow RoPE part (16): the drafter takes the value heads' 32.
     assert deepseek.config.head_dim == 16 and deepseek.head_dim == 32
-    assert deepseek.kv_bytes_per_token_layer == 16 + 16  # the compressed latent + the shared RoPE key
+    assert deepseek.kv_elements_per_token_layer == 16 + 16  # the compressed latent + the shared RoPE key
 
 
 def test_plan_hints_build_the_family_config_when_the_model_is_not_at_hand():

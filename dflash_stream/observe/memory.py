@@ -174,7 +174,7 @@ def target_dims(shape: TargetShape) -> TargetDims:
     per_layer = 2 * d * heads * head_dim + 2 * d * kv_heads * head_dim + 3 * d * inter + 2 * d
     params = shape.num_parameters or shape.num_layers * per_layer + vocab * d * (1 if tied else 2) + d
     active = shape.active_parameters or params
-    kv_elements = shape.kv_bytes_per_token_layer or 2 * kv_heads * head_dim
+    kv_elements = shape.kv_elements_per_token_layer or 2 * kv_heads * head_dim
     return TargetDims(shape, inter, heads, kv_heads, head_dim, vocab, params, active, kv_elements, tuple(assumed))
 
 

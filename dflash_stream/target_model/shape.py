@@ -49,7 +49,7 @@ class TargetShape:
     active_parameters: float | None = None
     """Parameters one token runs through (MoE: routed experts counted top-k of n); equals num_parameters for
     dense targets."""
-    kv_bytes_per_token_layer: int | None = None
+    kv_elements_per_token_layer: int | None = None
     """Elements of one attention layer's cache per token (2 x KV heads x head_dim; MLA: the compressed latent)."""
     state_elements_per_sequence: int = 0
     """Fixed-size state of all linear-attention layers for one sequence (recurrent + convolution state)."""
@@ -178,7 +178,7 @@ def shape_from_config(config: Any, source: str, num_parameters: float | None = N
         rope=_rope_by_layer_type(tc, set(types)),
         num_parameters=total,
         active_parameters=active,
-        kv_bytes_per_token_layer=kv_elements,
+        kv_elements_per_token_layer=kv_elements,
         state_elements_per_sequence=_linear_state_elements(tc, types.count(LINEAR)),
         config=tc,
     )
