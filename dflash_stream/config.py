@@ -71,12 +71,22 @@ class TargetConfig(Section):
         raise ValueError("allowed: auto, cpu, cuda, cuda:N, mps")
 
 
+RESERVED_TEMPLATE_KEYS = {"messages", "conversation", "tools", "documents", "add_generation_prompt", "tokenize",
+                          "chat_template", "continue_final_message", "return_dict", "return_assistant_tokens_mask",
+                          "tokenizer_kwargs", "padding", "truncation", "max_length", "return_tensors"}
+"""`apply_chat_template` arguments that `data.chat_template_kwargs` may not set."""
+
+
 class SourceConfig(Section):
     path: str
     """A hub dataset name, or a local .json/.jsonl/.parquet file or folder of them."""
     subset: str | None = None
     split: str = "train"
-    format: Literal["auto", "sharegpt", "messages", "alpaca", "prompt_response"] = "auto"
+    format: Literal["auto", "sharegpt", "messages", "alpaca", "prompt_response", "glaive"] = "auto"
+    """How rows are read (`docs/data.md`): sharegpt `conversations` (hermes' `tools` column and `<tool_call>`
+    turns become structured tools), messages `messages`/`trajectory` (OpenAI, SWE-agent), alpaca
+    `instruction`/`input`/`output`, prompt_response (prompt/question/problem + response/solution), glaive's
+    `{system, chat}` text protocol; auto picks by the row's columns."""
     limit: int | None = Field(None, ge=1)
     weight: float = Field(1.0, gt=0)
     name: str | None = None
@@ -105,6 +115,22 @@ class DataConfig(Section):
     """For `plan` when the sources cannot be counted locally (hub datasets)."""
     mean_tokens: float | None = Field(None, gt=0)
     """For `plan`: average tokens per sample (default: measured by `tune`, else max_length / 2)."""
+    chat_template: str | None = None
+    """The chat template for training samples, regeneration prompts and `eval`: inline Jinja, or a file holding
+    it (a .jinja/.txt file, or a tokenizer_config.json whose `chat_template` is used). Default: the target
+    tokenizer's own."""
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Extra variables for the template, e.g. `{enable_thinking: false}` for Qwen3/3.5/3.6 (they think by
+    default, and serving and training must agree on it)."""
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_kwargs(cls, v: dict[str, Any]) -> dict[str, Any]:
+        reserved = sorted(set(v) & RESERVED_TEMPLATE_KEYS)
+        if reserved:
+            raise ValueError(f"{', '.join(reserved)} set by dflash-stream itself; allowed: template variables such "
+                             "as enable_thinking")
+        return v
 
 
 READER_PREFETCH = 2
@@ -112,6 +138,10 @@ READER_PREFETCH = 2
 HOLD_BATCHES = 4
 """Batches' worth of tokens that may queue behind a sample in the trainer's token batcher before its length
 bucket's queue moves up (drafter/batches.py)."""
+HOLDING_SHARE = 0.25
+"""Share of store.budget that finished-but-unreleased segments must reach before extractors waiting on a full
+buffer make the trainers checkpoint (a checkpoint per step would cost more than the extractors' wait); `plan`
+counts the checkpoints this forces."""
 REPLAY_WINDOW_BYTES = 2 * 2**30
 """Raw bytes of a kept store's segments that a replay (extract.from_store) decodes at once to reshuffle a later
 pass: all of a small store, a window of a large one; `plan` shows it as host RAM."""

@@ -280,3 +280,23 @@ def test_headline_config_plans_the_real_target(capsys) -> None:
     assert (d.num_attention_heads, d.num_key_value_heads, d.head_dim, d.intermediate_size) == (32, 8, 128, 17408)
     assert d.mask_token_id == 248_070 and d.rope_theta == 1e7
     assert cfg.target.layer_ids == [1, 16, 31, 46, 61]
+
+
+def test_plan_counts_the_checkpoints_the_release_rule_forces(tmp_path) -> None:
+    """Issue 26's contract `time.checkpoints`: at the headline's rates the budget, not train.checkpoint_every,
+    sets how often trainers checkpoint; a smaller budget forces more of them and a large stall share warns."""
+    headline = load_config(Path(__file__).parents[1] / "configs" / "qwen3.6-27b-4gpu.yaml")
+    plan = build_plan(headline, processes=4)
+    c = plan["time"]["checkpoints"]
+    assert set(c) >= {"bytes", "every_seconds", "write_seconds", "stall_fraction"}
+    assert c["bytes"] * (headline.train.keep_checkpoints + 1) == plan["disk"]["parts"]["checkpoints"]
+    assert "release rule" in c["forced_by"] and 0 < c["stall_fraction"] < 0.05
+    assert c["write_seconds"] == pytest.approx(c["bytes"] / 1e9)
+    assert not any("checkpoints stop training" in w for w in plan["warnings"])
+
+    small = headline.model_copy(update={"store": headline.store.model_copy(update={"budget": 4 * 2**30})})
+    tight = build_plan(small, processes=4)["time"]["checkpoints"]
+    assert tight["every_seconds"] == pytest.approx(c["every_seconds"] * 4 * 2**30 / int(headline.store.budget))
+    assert tight["count"] > 10 * c["count"] and tight["stall_fraction"] > 0.05
+    assert any("checkpoints stop training" in w and "store.budget" in w
+               for w in build_plan(small, processes=4)["warnings"])

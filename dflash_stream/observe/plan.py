@@ -15,7 +15,7 @@ from typing import Any
 
 import yaml
 
-from dflash_stream.config import REPLAY_WINDOW_BYTES, Config, ConfigError
+from dflash_stream.config import HOLDING_SHARE, REPLAY_WINDOW_BYTES, Config, ConfigError
 from dflash_stream.observe.memory import TargetDims, drafter_dims, memory_plan, render_memory, target_dims
 from dflash_stream.observe.units import fmt_bytes, fmt_count, fmt_duration
 from dflash_stream.target_model.loading import GPU_EXTRA_INSTALL, TORCH_GDN_SLOWDOWN
@@ -29,6 +29,10 @@ ASSUMED_FLOPS = {"gpu": 4.0e14, "cpu": 1.9e11}
 # Effective memory bandwidth of one process, for bandwidth-bound decoding: ~70 % of an H100's 3.35 TB/s HBM3
 # (96 GB-class parts such as H100 NVL and GH200 are faster), or two-channel DDR on a CPU.
 ASSUMED_BANDWIDTH = {"gpu": 2.4e12, "cpu": 2.0e10}
+# Effective write bandwidth of a checkpoint: rank 0 serialises the whole drafter and optimizer state, then fsyncs.
+# Local NVMe sustains more, network filesystems (NFS, Lustre under load) often less.
+ASSUMED_CHECKPOINT_WRITE = {"gpu": 1.0e9, "cpu": 0.5e9}
+CHECKPOINT_STALL_WARN = 0.05  # warn when checkpoints stop training for more than this share of its time
 PROMPT_SHARE = 1 / 3  # assumed prompt part of a regenerated sample's tokens (chat and code answers run long)
 THIN_MARGIN = 0.2  # warn when the disk left after the budget is under this fraction of the budget
 REUSE_WINDOW_STEPS_MEASURED = 4.5
@@ -315,6 +319,14 @@ def build_plan(cfg: Config, samples: int | None = None, mean_tokens: float | Non
     if roles.get("better"):
         warnings.append(roles["better"])
     time_plan = _time_plan(cfg, shape, layer_ids, work, roles, n_samples, tokens, launch["num_processes"], tune)
+    time_plan["checkpoints"] = checkpoint_plan(cfg, time_plan, volume, disk, roles, tokens)
+    stall = time_plan["checkpoints"]["stall_fraction"]
+    if stall is not None and stall > CHECKPOINT_STALL_WARN:
+        c = time_plan["checkpoints"]
+        warnings.append(
+            f"checkpoints stop training for {stall:.0%} of its time ({fmt_bytes(c['bytes'])} written every "
+            f"{fmt_duration(c['every_seconds'])}, {c['forced_by']}): raise store.budget (the release rule forces "
+            "fewer), or set train.optimizer_state_dtype: bfloat16 (smaller checkpoints)")
     memory = memory_plan(cfg, shape, layer_ids, device_kind(cfg), gpu_memory, launch["processes_per_machine"],
                          single=roles["mode"] == "single")
     warnings += [f"the {role} does not fit its device ({fmt_bytes(memory[role]['total_bytes'])} of "
@@ -509,6 +521,46 @@ def _time_plan(cfg: Config, shape: TargetShape, layer_ids: list[int], work: dict
     return out
 
 
+def checkpoint_plan(cfg: Config, time_plan: dict[str, Any], volume: dict[str, Any], disk: dict[str, Any],
+                    roles: dict[str, Any], tokens: float | None) -> dict[str, Any]:
+    """How often trainers checkpoint and what it costs them. A finished segment leaves the buffer only at a
+    durable checkpoint, so a small budget forces checkpoints: when training is the slower side the buffer is full
+    of ready segments and a checkpoint comes each time finished ones reach HOLDING_SHARE of the budget; when
+    extraction is slower, trainers keep up and the buffer fills with finished segments, forcing one per budget's
+    worth of extraction. `train.checkpoint_every` applies when it comes first."""
+    size = disk["parts"]["checkpoints"] / (cfg.train.keep_checkpoints + 1)
+    bandwidth = ASSUMED_CHECKPOINT_WRITE[device_kind(cfg)]
+    out: dict[str, Any] = {
+        "bytes": size, "every_seconds": None, "write_seconds": size / bandwidth, "stall_fraction": None,
+        "count": None, "forced_by": None,
+        "source": f"write at an assumed {bandwidth / 1e9:g} GB/s effective (one rank serialises the state, "
+                  "then fsync)",
+    }
+    phases = time_plan["phases"]
+    if not tokens or "seconds" not in phases["train"]:
+        return out
+    budget, stored = int(cfg.store.budget), volume["stored_bytes_per_token"]
+    train_tok_s = phases["train"]["tok_s_per_process"] * phases["train"]["processes"]
+    freed_bytes_s = train_tok_s * stored / cfg.store.reuse  # a segment is finished after its last use
+    # Regeneration runs on the extractors too: states arrive at the pace of both.
+    extract_s = (time_plan["regenerate_seconds"] or 0.0) + phases["extract"]["seconds"]
+    written_bytes_s = tokens * cfg.extraction_passes * stored / extract_s
+    if written_bytes_s >= freed_bytes_s:
+        forced, why = HOLDING_SHARE * budget / freed_bytes_s, "training is the slower side"
+    else:
+        forced, why = budget / written_bytes_s, "extraction is the slower side"
+    step_s = cfg.train.batch_tokens * cfg.train.grad_accum * roles["trainers"] / train_tok_s
+    scheduled = cfg.train.checkpoint_every * step_s
+    every = min(forced, scheduled)
+    out.update(
+        every_seconds=every, stall_fraction=out["write_seconds"] / (every + out["write_seconds"]),
+        count=math.ceil(phases["train"]["seconds"] / every),
+        forced_by=(f"the release rule at store.budget {fmt_bytes(budget)} ({why})" if forced < scheduled
+                   else f"train.checkpoint_every {cfg.train.checkpoint_every} steps"),
+    )
+    return out
+
+
 def _epoch_costs(cfg: Config, time_plan: dict, volume: dict, tokens: float | None) -> dict[str, Any]:
     """What epochs cost with each `train.epoch_source`."""
     epochs = cfg.train.epochs
@@ -607,6 +659,12 @@ def render_plan(plan: dict[str, Any]) -> str:
     st = tp["phases"]["store"]
     out.append(f"  {'store':<8}{fmt_duration(st.get('encode_cpu_seconds')):>10}  encoding, summed over extractors "
                f"[{st['source']}]")
+    c = tp.get("checkpoints")
+    if c and c["every_seconds"]:
+        out.append(f"  {'ckpt':<8}{fmt_duration(c['count'] * c['write_seconds']):>10}  {c['count']:,} x "
+                   f"{fmt_bytes(c['bytes'])}, one every {fmt_duration(c['every_seconds'])} ({c['forced_by']}): "
+                   f"{fmt_duration(c['write_seconds'])} each, {c['stall_fraction']:.1%} of training stopped  "
+                   f"[{c['source']}]")
     out.append(f"  {'export':<8}{'-':>10}  {tp['phases']['export']['source']}")
     out.append(f"  {'total':<8}{fmt_duration(tp['total_seconds']):>10}")
     e = plan["epochs"]
