@@ -23,6 +23,7 @@ from dflash_stream.errors import DFlashError, os_error_line
 # command -> the module whose `register(subparsers)` defines it (a module may define several commands)
 COMMANDS = {
     "run": "dflash_stream.pipeline.run",
+    "data": "dflash_stream.observe.data_overview",
     "extract": "dflash_stream.pipeline.extractor",
     "train": "dflash_stream.pipeline.trainer",
     "audit": "dflash_stream.pipeline.audit",
@@ -43,6 +44,7 @@ BENCHES = {
     "memory": "dflash_stream.bench.memory",
     "gpu": "dflash_stream.bench.gpu",
     "quality": "dflash_stream.bench.quality",
+    "checkpoint": "dflash_stream.bench.checkpoint",
 }
 
 

@@ -235,6 +235,11 @@ class TrainConfig(Section):
     keep_checkpoints: int = Field(2, ge=1)
     """Complete checkpoints kept on disk. One is enough for the release protocol (the old one is deleted only
     after the new one is durable), so at most keep_checkpoints + 1 exist at once; more keep older fallbacks."""
+    async_checkpoint: bool = True
+    """Write checkpoints in the background: the state is copied to host memory (one checkpoint's weights and
+    optimizer moments on rank 0; pinned on CUDA) and training goes on while a thread writes it. What it records
+    as finished is released once it is durable, one write at a time. false: training stands still until the
+    checkpoint is on disk."""
     optimizer_state_dtype: Literal["float32", "bfloat16"] = "float32"
     """How checkpoints store AdamW's moments: bfloat16 makes a checkpoint 8 instead of 12 bytes per parameter;
     a resumed run then continues from moments rounded to 8 bits of mantissa (not bit-identical)."""

@@ -300,3 +300,20 @@ def test_plan_counts_the_checkpoints_the_release_rule_forces(tmp_path) -> None:
     assert tight["count"] > 10 * c["count"] and tight["stall_fraction"] > 0.05
     assert any("checkpoints stop training" in w and "store.budget" in w
                for w in build_plan(small, processes=4)["warnings"])
+
+
+def test_plan_uses_the_counts_of_dflash_stream_data_for_the_same_data(tiny_target_dir, tmp_path, capsys) -> None:
+    """Samples kept after filtering and their mean length, as `dflash-stream data` counted them; ignored once the
+    config makes other samples."""
+    from test_pipeline import write_run_config
+
+    config = write_run_config(tmp_path, tiny_target_dir, rows=20)
+    assert main(["data", "--config", str(config), "--json"]) == 0
+    counted = json.loads(capsys.readouterr().out)
+    cfg = load_config(config)
+    data = build_plan(cfg)["data"]
+    assert data["samples"] == counted["kept"] and "dflash-stream data" in data["samples_source"]
+    assert data["mean_tokens"] == pytest.approx(counted["tokens"]["mean"], rel=1e-3)
+    assert "dflash-stream data" in data["mean_tokens_source"]
+    other = load_config(config, ["--data.sources.0.limit=5"])
+    assert "dflash-stream data" not in build_plan(other)["data"]["samples_source"]

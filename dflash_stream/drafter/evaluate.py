@@ -43,12 +43,14 @@ def read_prompts(path: str | Path) -> list[Row]:
     return rows
 
 
-def render_prompt(tokenizer: Any, row: Row) -> list[int]:
+def render_prompt(tokenizer: Any, row: Row, data: Any = None) -> list[int]:
     """Token ids of the row's prompt (everything before its last assistant turn) plus the generation prompt,
-    rendered exactly as the data pipeline renders prompts for regeneration."""
+    rendered exactly as the data pipeline renders prompts for regeneration (with `data`'s chat_template and
+    chat_template_kwargs when given)."""
     try:
         messages = split_for_regeneration(to_messages(row))
-        return ChatEncoder(tokenizer).encode_prompt(messages).tolist()
+        encoder = ChatEncoder.from_config(tokenizer, data) if data is not None else ChatEncoder(tokenizer)
+        return encoder.encode_prompt(messages).tolist()
     except (RowError, ValueError) as err:
         raise ConfigError(f"prompt row {json.dumps(row)[:80]}: {err}") from None
 
@@ -66,7 +68,7 @@ class Evaluator:
         self.target, tokenizer = load_target(cfg.target, self.device)
         self.head = TargetHead.from_model(self.target)
         self.stops = stop_token_ids(self.target, tokenizer)
-        self.encoded = [torch.tensor([render_prompt(tokenizer, row)], device=self.device) for row in rows]
+        self.encoded = [torch.tensor([render_prompt(tokenizer, row, cfg.data)], device=self.device) for row in rows]
         self._baseline: dict[tuple[int, int], Generation] = {}
         self._warm = False
 

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash_stream.config import Config, ConfigError
+from dflash_stream.target_model.loading import load_tokenizer
 from dflash_stream.target_model.shape import FULL, SLIDING, TargetShape
 
 LAYER_TYPES = (FULL, SLIDING)
@@ -106,15 +107,6 @@ def default_mask_token_id(tokenizer: Any, vocab_size: int) -> int:
     raise ConfigError("drafter.mask_token_id: the tokenizer has no mask, unknown, pad or eos token; set it explicitly")
 
 
-def _load_tokenizer(cfg: Config) -> Any:
-    from transformers import AutoTokenizer
-
-    from dflash_stream.target_model.loading import model_location
-
-    location, kwargs = model_location(cfg.target)
-    return AutoTokenizer.from_pretrained(location, **kwargs)
-
-
 def _first(*values: Any) -> Any:
     return next((v for v in values if v is not None), None)
 
@@ -182,7 +174,7 @@ def build_spec(cfg: Config, tc: TargetShape, layer_ids: list[int], tokenizer: An
                 raise ConfigError(f"drafter.init_from: {key} {theirs} in {init_path}, this run {ours}")
     mask = _first(d.mask_token_id, from_init("mask_token_id"))
     if mask is None:
-        mask = default_mask_token_id(tokenizer if tokenizer is not None else _load_tokenizer(cfg), vocab)
+        mask = default_mask_token_id(tokenizer if tokenizer is not None else load_tokenizer(cfg.target), vocab)
     if not 0 <= mask < vocab:
         raise ConfigError(
             f"drafter.mask_token_id={mask} has no embedding row in the target (vocab_size {vocab}); "

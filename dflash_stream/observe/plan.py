@@ -149,6 +149,22 @@ def _rate(cfg_value: float | None, tuned: float | None, estimate: float, tune_no
     return estimate, est_note
 
 
+DATA_SUMMARY_NOTE = "counted by `dflash-stream data`"
+
+
+def read_data_summary(cfg: Config) -> dict[str, Any] | None:
+    """OUTPUT/data/summary.json that `dflash-stream data` wrote for this config's data (same data spec and
+    max_length), else None: samples kept after filtering and their mean length."""
+    from dflash_stream.data.spec import data_spec_digest
+
+    path = Path(cfg.output_dir) / "data" / "summary.json"
+    if not path.is_file():
+        return None
+    summary = json.loads(path.read_text())
+    same = summary.get("data_spec") == data_spec_digest(cfg) and summary.get("max_length") == cfg.data.max_length
+    return summary if same else None
+
+
 def _samples(cfg: Config, samples: int | None) -> tuple[int | None, str]:
     from dflash_stream.data import plan_rows
 
@@ -157,6 +173,9 @@ def _samples(cfg: Config, samples: int | None) -> tuple[int | None, str]:
     expected = cfg.data.expected_samples
     if expected:
         return expected, "config (data.expected_samples)"
+    counted = read_data_summary(cfg)
+    if counted:
+        return counted["samples"], f"{DATA_SUMMARY_NOTE}: kept after filtering, of {counted['rows']:,} rows"
     sizes, how = [], set()
     for src in cfg.data.sources:
         rows = source_rows(src.path)
@@ -176,6 +195,10 @@ def _mean_tokens(cfg: Config, mean_tokens: float | None, tune: dict | None) -> t
         return configured, "config (data.mean_tokens)"
     if tune and tune.get("mean_tokens"):
         return tune["mean_tokens"], f"measured by tune on {tune['samples']} samples"
+    counted = read_data_summary(cfg)
+    if counted and counted.get("mean_tokens"):
+        return counted["mean_tokens"], (f"{DATA_SUMMARY_NOTE} over {counted['samples']:,} samples "
+                                        f"({counted['mean_tokens_basis']})")
     return cfg.data.max_length / 2, "assumed: data.max_length / 2 (pass --mean-tokens or run tune)"
 
 

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import hashlib
-import json
 from typing import Any
 
 from dflash_stream.config import Config, dump_config
+from dflash_stream.data.spec import data_spec, data_spec_digest
 from dflash_stream.rundir import RunDir, write_atomic
 
 
@@ -15,23 +14,6 @@ def save_resolved_config(cfg: Config) -> None:
     run = RunDir(cfg.output_dir)
     run.root.mkdir(parents=True, exist_ok=True)
     write_atomic(run.config, dump_config(cfg))
-
-
-def _data_spec(cfg: Config) -> dict[str, Any]:
-    """Everything that decides which samples exist and what their tokens are."""
-    return {
-        "sources": [s.model_dump() for s in cfg.data.sources],
-        "system_prompt": cfg.data.system_prompt,
-        "regenerate": cfg.data.regenerate,
-        "generation": cfg.data.generation.model_dump() if cfg.data.regenerate else None,
-        "min_supervised_tokens": cfg.min_supervised_tokens,
-        "seed": cfg.data.seed,
-    }
-
-
-def data_spec_digest(cfg: Config) -> str:
-    """A short digest of the data spec (it names the store's and the response cache's data)."""
-    return hashlib.sha256(json.dumps(_data_spec(cfg), sort_keys=True).encode()).hexdigest()[:16]
 
 
 def _source_text(source: dict[str, Any]) -> str:
@@ -43,7 +25,7 @@ def _source_text(source: dict[str, Any]) -> str:
 
 def data_spec_detail(cfg: Config) -> dict[str, Any]:
     """The data spec in readable form, so that a store made from other data can say what differs."""
-    spec = _data_spec(cfg)
+    spec = data_spec(cfg)
     return {**spec, "sources": [_source_text(s) for s in spec["sources"]]}
 
 

@@ -113,19 +113,31 @@ def warn_slow_gdn(model: PreTrainedModel, device: torch.device) -> None:
             "~%.1fx slower (transformers #48718); %s", " and ".join(missing), TORCH_GDN_SLOWDOWN, GPU_EXTRA_INSTALL)
 
 
-def load_target(target: TargetConfig, device: torch.device) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """(model, tokenizer) of the target, in eval mode on `device`, frozen."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def load_tokenizer(target: TargetConfig) -> PreTrainedTokenizerBase:
+    """The target's tokenizer alone (with a pad token: padding positions are masked out, so eos will do)."""
+    from transformers import AutoTokenizer
 
     location, kwargs = model_location(target)
     try:
         tokenizer = AutoTokenizer.from_pretrained(location, **kwargs)
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"target.model: cannot load the tokenizer of '{target.model}': "
+                          f"{str(err).splitlines()[0]}") from None
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_target(target: TargetConfig, device: torch.device) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """(model, tokenizer) of the target, in eval mode on `device`, frozen."""
+    from transformers import AutoModelForCausalLM
+
+    tokenizer = load_tokenizer(target)
+    location, kwargs = model_location(target)
+    try:
         model = AutoModelForCausalLM.from_pretrained(location, dtype=resolve_dtype(target, device), **kwargs)
     except OSError as err:
         raise ConfigError(f"target.model: cannot load '{target.model}': {str(err).splitlines()[0]}") from None
-    if tokenizer.pad_token_id is None:
-        # Padding positions are masked out; any id will do, and eos always exists.
-        tokenizer.pad_token = tokenizer.eos_token
     model.to(device).eval().requires_grad_(False)
     warn_slow_gdn(model, device)
     return model, tokenizer
