@@ -149,7 +149,11 @@ def test_combined_run_under_accelerate(tiny_target_dir, tmp_path):
     # What checkpoints cost: each one's stall and write time in the metrics, their totals in the summary.
     timed = [e for e in events(output) if e["event"] == "checkpoint" and e["rank"] == 0]
     assert summary["checkpoints"] == len(timed) > 1
-    assert all(e["stall_s"] >= e["write_s"] > 0 and e["bytes"] > 0 for e in timed)
+    assert all(e["write_s"] > 0 and e["bytes"] > 0 and e["stall_s"] > 0 for e in timed)
+    # Written synchronously, training stands still for the whole write; in the background (the default) only
+    # for the snapshot and the publish, or while a starved or stopping trainer waits for the write.
+    assert all(e["stall_s"] >= e["write_s"] for e in timed if not e["background"])
+    assert any(e["background"] for e in timed)
     assert summary["checkpoint_stall_seconds"] == pytest.approx(sum(e["stall_s"] for e in timed), abs=0.02)
     assert disk.peak <= BUDGET, f"store reached {disk.peak} bytes on disk, budget {BUDGET}"
     # The budget forced the buffer to wrap: far more data passed through than it can hold at once.

@@ -173,11 +173,13 @@ def test_loss_goes_down_and_every_sample_is_trained_once_per_epoch(tmp_path, tar
     assert (export / "config.json").is_file() and (export / "model.safetensors").is_file()
 
 
+@pytest.mark.parametrize("background", [True, False], ids=["async", "sync"])
 @pytest.mark.parametrize("moment", ["before_release", "after_release"])
-def test_release_happens_only_after_the_checkpoint_is_durable(tmp_path, target_dir, samples, moment):
+def test_release_happens_only_after_the_checkpoint_is_durable(tmp_path, target_dir, samples, moment, background):
     """A crash right before or right after a checkpoint's release: the resumed trainer neither loses nor
-    retrains anything. After the release the reader may already hold the next use of those segments."""
-    cfg = make_config(tmp_path, target_dir, epochs=2)
+    retrains anything. After the release the reader may already hold the next use of those segments. Written in
+    the background, the checkpoint is released at a later step, once durable; the training since is redone."""
+    cfg = make_config(tmp_path, target_dir, epochs=2, async_checkpoint=background)
     fill_store(cfg, samples[:20])
     trainer = new_trainer(cfg)
     real_release = trainer.consumer.release
@@ -185,7 +187,9 @@ def test_release_happens_only_after_the_checkpoint_is_durable(tmp_path, target_d
 
     def crash(claims):
         latest = ckpt.latest_checkpoint(cfg.output_dir)
-        assert latest is not None and ckpt.checkpoint_step(latest) == trainer.steps  # durable first
+        assert latest is not None  # durable first
+        step = ckpt.checkpoint_step(latest)
+        assert step <= trainer.steps if background else step == trainer.steps
         finished = ckpt.load_torch(latest / "trainer-0.pt")["finished"]
         assert {c.segment_id for c in claims} == {r["segment_id"] for r in finished}
         seen.extend(c.segment_id for c in claims)
@@ -202,7 +206,8 @@ def test_release_happens_only_after_the_checkpoint_is_durable(tmp_path, target_d
     assert seen
 
     resumed = new_trainer(cfg)
-    assert resumed.steps == trainer.steps
+    assert resumed.steps == ckpt.checkpoint_step(ckpt.latest_checkpoint(cfg.output_dir))
+    assert resumed.steps <= trainer.steps if background else resumed.steps == trainer.steps
     assert resumed.run() is True
     resumed.close()
     assert_exactly_once(Path(cfg.output_dir), samples[:20], epochs=2)
@@ -323,6 +328,45 @@ def test_segments_smaller_than_a_batch_still_make_full_batches(tmp_path, target_
     trainer.close()
     assert trainer.samples_trained == 24
     assert trainer.steps <= fewest + 2 < 8
+
+
+def test_training_goes_on_while_a_checkpoint_is_written_and_its_release_waits_until_it_is_durable(
+        tmp_path, target_dir, samples, monkeypatch):
+    """train.async_checkpoint: each rank's part is written by a thread that here holds back until training took
+    two more steps (or 2 s passed); every release comes after the checkpoint recording it is COMPLETE, and only
+    the uses that checkpoint records as finished are released. Written synchronously, no step could be taken
+    while a write is pending."""
+    cfg = make_config(tmp_path, target_dir, epochs=2, checkpoint_every=3)
+    store = fill_store(cfg, samples[:30])
+    trainer = new_trainer(cfg)
+    real_write_part, real_release = ckpt.write_part, trainer.consumer.release
+    writes: list[tuple[int, int]] = []  # (checkpoint step, trainer step when its write went ahead)
+    releases: list[tuple[int, int]] = []  # (latest complete checkpoint, trainer step) at each release
+
+    def slow_write_part(output_dir, step, rank, **parts):
+        deadline = time.monotonic() + 2
+        while trainer.steps < step + 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        writes.append((step, trainer.steps))
+        return real_write_part(output_dir, step, rank, **parts)
+
+    def release(claims):
+        latest = ckpt.latest_checkpoint(cfg.output_dir)
+        assert latest is not None and (latest / ckpt.COMPLETE).is_file()
+        finished = {r["segment_id"] for r in ckpt.load_torch(latest / "trainer-0.pt")["finished"]}
+        assert {c.segment_id for c in claims} == finished
+        releases.append((ckpt.checkpoint_step(latest), trainer.steps))
+        real_release(claims)
+
+    monkeypatch.setattr(ckpt, "write_part", slow_write_part)
+    trainer.consumer.release = release
+    assert trainer.run() is True
+    trainer.close()
+    assert any(went_ahead >= step + 2 for step, went_ahead in writes), writes  # training went on meanwhile
+    assert releases and any(at > step for step, at in releases), releases  # released at a later step
+    assert trainer.checkpoints == len(writes)
+    assert_exactly_once(Path(cfg.output_dir), samples[:30], epochs=2)
+    assert_store_drained(store)
 
 
 def test_a_blocked_extractor_makes_the_trainer_checkpoint_and_release(tmp_path, target_dir, samples):

@@ -176,8 +176,13 @@ def load_drafter(path: str | Path, device: torch.device | str | None = None) -> 
 
 def save_checkpoint_drafter(drafter: DFlashDrafter, spec: DrafterSpec, ckpt_dir: str | Path) -> None:
     """The drafter's part of a trainer checkpoint: `model.safetensors` + `drafter_spec.json`."""
+    save_checkpoint_weights(drafter_state(drafter), spec, ckpt_dir)
+
+
+def save_checkpoint_weights(weights: dict[str, Tensor], spec: DrafterSpec, ckpt_dir: str | Path) -> None:
+    """`save_checkpoint_drafter` from a copy of the weights (a background checkpoint writes its host snapshot)."""
     ckpt = Path(ckpt_dir)
-    save_file(drafter_state(drafter), ckpt / WEIGHTS, metadata={"format": "pt"})
+    save_file(weights, ckpt / WEIGHTS, metadata={"format": "pt"})
     (ckpt / SPEC).write_text(json.dumps(dataclasses.asdict(spec), indent=2) + "\n")
 
 

@@ -27,9 +27,10 @@ from dflash_stream.observe.units import fmt_bytes
 from dflash_stream.store import sizes
 
 
-def host_memory(cfg: Config, width: int, ratio: float) -> dict[str, Any]:
+def host_memory(cfg: Config, width: int, ratio: float, checkpoint_bytes: float = 0) -> dict[str, Any]:
     """Bytes of host RAM each role holds at most for hidden states, part by part; `width` = K*D, `ratio` the
-    codec's compression (raw over stored)."""
+    codec's compression (raw over stored); with train.async_checkpoint, trainer 0 also keeps a host snapshot of
+    one checkpoint (`checkpoint_bytes`) for the whole run, written in the background."""
     per_token = sizes.raw_bytes_per_token(width)
     segment = sizes.max_segment_raw_bytes(int(cfg.store.segment_bytes), cfg.data.max_length, width)
     states_per_batch = cfg.extract.batch_tokens * (per_token - sizes.IDS_MASK_BYTES_PER_TOKEN)
@@ -40,10 +41,13 @@ def host_memory(cfg: Config, width: int, ratio: float) -> dict[str, Any]:
     buckets = len(cfg.train.length_buckets) if cfg.train.length_buckets else MAX_LENGTH_BUCKETS
     queued = math.ceil((HOLD_BATCHES + 1) * cfg.train.batch_tokens * per_token / segment) + buckets
     trainer = {"decoded_ahead": (READER_PREFETCH + 1) * segment, "held_by_batcher": queued * segment}
+    if cfg.train.async_checkpoint and checkpoint_bytes:
+        trainer["checkpoint_snapshot"] = int(checkpoint_bytes)
     return {
         "extractor": {"total_bytes": sum(extractor.values()), "parts": extractor},
         "trainer": {"total_bytes": sum(trainer.values()), "parts": trainer, "segments_held_by_batcher": queued},
-        "knobs": "store.segment_bytes, extract.queue_size, extract.batch_tokens",
+        "knobs": "store.segment_bytes, extract.queue_size, extract.batch_tokens"
+                 + (", train.async_checkpoint: false" if cfg.train.async_checkpoint and checkpoint_bytes else ""),
     }
 
 

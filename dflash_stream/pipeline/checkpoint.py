@@ -2,7 +2,9 @@
 either the previous complete checkpoint or the new one, never a mix. Where they live is `RunDir`'s.
 
 A checkpoint folder holds model.safetensors, drafter_spec.json, trainer_state.pt (rank 0) and trainer-R.pt per
-rank; it is staged in `.step-N.tmp/`, renamed into place, and its COMPLETE marker is written last.
+rank; it is staged in `.step-N.tmp/`, renamed into place, and its COMPLETE marker is written last. A staging
+folder that a background thread of this process is still writing (train.async_checkpoint, checkpoint_writer.py)
+is never taken for a crashed attempt: `begin` and the pruning after `publish` leave it alone.
 """
 
 from __future__ import annotations
@@ -10,8 +12,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -22,12 +26,35 @@ from dflash_stream.errors import DFlashError
 from dflash_stream.rundir import COMPLETE, RunDir, checkpoint_step, fsync, write_atomic
 
 __all__ = ["COMPLETE", "SHARED_STATE", "begin", "checkpoint_step", "complete_checkpoints", "drop_ledger_after",
-           "latest_checkpoint", "ledger_dir", "load", "load_torch", "optimizer_state", "publish", "rank_state_file", "Saved",
-           "save",
-           "save_torch", "write_ledger"]
+           "latest_checkpoint", "ledger_dir", "load", "load_torch", "optimizer_state", "prune", "publish", "rank_state_file", "Saved",
+           "save", "save_torch", "write_ledger", "write_part", "writing", "WRITE_DELAY_ENV"]
 
 SHARED_STATE = "trainer_state.pt"
 """Optimizer, scheduler and the step's counters, written by rank 0."""
+WRITE_DELAY_ENV = "DFLASH_STREAM_TEST_CHECKPOINT_WRITE_DELAY"
+"""Test hook: seconds each rank's checkpoint write pauses half-way (its own file written, the shared ones not), so
+a test can kill a process while a checkpoint is being written."""
+
+_in_flight: set[Path] = set()
+_in_flight_lock = threading.Lock()
+
+
+@contextmanager
+def writing(staging: Path) -> Iterator[None]:
+    """Mark `staging` as being written by a thread of this process while the block runs."""
+    with _in_flight_lock:
+        _in_flight.add(staging)
+    try:
+        yield
+    finally:
+        with _in_flight_lock:
+            _in_flight.discard(staging)
+
+
+def _abandoned(paths: list[tuple[int, Path]]) -> list[tuple[int, Path]]:
+    """Incomplete checkpoint folders no thread of this process is writing: interrupted attempts."""
+    with _in_flight_lock:
+        return [(step, path) for step, path in paths if path not in _in_flight]
 
 
 def rank_state_file(rank: int | str) -> str:
@@ -93,7 +120,7 @@ def begin(output_dir: str | Path, step: int) -> Path:
     folders without COMPLETE, at any step) are discarded first: one checkpoint is written at a time, so at most
     `train.keep_checkpoints` + 1 exist on disk, as `plan` counts them."""
     run = RunDir(output_dir)
-    for _, path in run.incomplete_checkpoints():
+    for _, path in _abandoned(run.incomplete_checkpoints()):
         shutil.rmtree(path, ignore_errors=True)
     staging = run.staging(step)
     retry_when_full(f"checkpoint folder {staging}", staging.parent, lambda: staging.mkdir(parents=True, exist_ok=True))
@@ -114,9 +141,11 @@ def optimizer_state(optimizer: torch.optim.Optimizer, dtype: str) -> dict[str, A
     return state
 
 
-def publish(output_dir: str | Path, step: int, keep: int = 2) -> Path:
+def publish(output_dir: str | Path, step: int, keep: int = 2, prune: bool = True) -> Path:
     """Make the staged checkpoint durable: fsync its files, rename it into place, write COMPLETE last; then
-    keep the newest `keep` complete checkpoints (train.keep_checkpoints)."""
+    keep the newest `keep` complete checkpoints (train.keep_checkpoints). `prune` off: the caller prunes later
+    (deleting gigabytes of an old checkpoint took 0.4 s, which a background checkpoint does off the training
+    thread)."""
     run = RunDir(output_dir)
     staging, final = run.staging(step), run.checkpoint(step)
     for item in staging.iterdir():
@@ -130,8 +159,13 @@ def publish(output_dir: str | Path, step: int, keep: int = 2) -> Path:
     fsync(marker)
     fsync(final)
     fsync(final.parent)
-    _prune(run, keep)
+    if prune:
+        _prune(run, keep)
     return final
+
+
+def prune(output_dir: str | Path, keep: int) -> None:
+    _prune(RunDir(output_dir), keep)
 
 
 def _prune(run: RunDir, keep: int) -> None:
@@ -140,7 +174,7 @@ def _prune(run: RunDir, keep: int) -> None:
     for old in complete[:-keep]:
         shutil.rmtree(old)
     oldest_kept = checkpoint_step(complete[-keep]) if len(complete) >= keep else 0
-    for step, path in run.incomplete_checkpoints():
+    for step, path in _abandoned(run.incomplete_checkpoints()):
         if step < oldest_kept:
             shutil.rmtree(path)
 
@@ -167,13 +201,7 @@ def save(output_dir: str | Path, step: int, rank: int, *, rank_state: dict[str, 
         begin(output_dir, step)
     written = time.perf_counter() - started
     barrier()
-    started = time.perf_counter()
-    staging = RunDir(output_dir).staging(step)
-    write_ledger(output_dir, rank, step, ledger)
-    save_torch(rank_state, staging / rank_state_file(rank))
-    if write_shared is not None:
-        write_shared(staging)
-    written += time.perf_counter() - started
+    written += write_part(output_dir, step, rank, rank_state=rank_state, ledger=ledger, write_shared=write_shared)
     barrier()
     started = time.perf_counter()
     if rank == 0:
@@ -182,6 +210,28 @@ def save(output_dir: str | Path, step: int, rank: int, *, rank_state: dict[str, 
     barrier()
     final = RunDir(output_dir).checkpoint(step)
     return Saved(final, written, sum(f.stat().st_size for f in final.iterdir() if f.is_file()))
+
+
+def write_part(output_dir: str | Path, step: int, rank: int, *, rank_state: dict[str, Any],
+               ledger: list[dict[str, Any]], write_shared: Callable[[Path], None] | None) -> float:
+    """This rank's share of checkpoint `step`, durable on return, into the staging folder rank 0's `begin` made:
+    its ledger, its `trainer-<rank>.pt`, and (rank 0) the shared files. Seconds it took. Everything it writes is
+    fsynced here, so that `publish` (on the training thread, when the write ran in the background) only renames
+    and marks."""
+    started = time.perf_counter()
+    staging = RunDir(output_dir).staging(step)
+    write_ledger(output_dir, rank, step, ledger)
+    save_torch(rank_state, staging / rank_state_file(rank))
+    delay = float(os.environ.get(WRITE_DELAY_ENV, 0))
+    if delay:
+        time.sleep(delay)
+    if write_shared is not None:
+        before = {item.name for item in staging.iterdir()}
+        write_shared(staging)
+        for item in staging.iterdir():
+            if item.name not in before:
+                fsync(item)
+    return time.perf_counter() - started
 
 
 def load(path: Path, rank: int, trainers: int) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -76,26 +76,37 @@ class DataPosition:
 
     def ledger_entries(self) -> list[dict[str, Any]]:
         """The audit's ledger lines: each use's samples trained since the previous checkpoint."""
-        return [{"segment": u.claim.segment_id, "epoch": u.claim.epoch, "sample_ids": u.since_checkpoint}
+        return [{"segment": u.claim.segment_id, "epoch": u.claim.epoch, "sample_ids": list(u.since_checkpoint)}
                 for u in self.uses.values() if u.since_checkpoint]
 
     def state_dict(self) -> dict[str, list]:
+        """Copies, not views: a background checkpoint writes them while training appends to the live lists."""
         return {
             "finished": [asdict(u.claim) for u in self.uses.values() if u.done],
-            "partial": [{"claim": asdict(u.claim), "trained": u.trained}
+            "partial": [{"claim": asdict(u.claim), "trained": list(u.trained)}
                         for u in self.uses.values() if u.trained and not u.done],
         }
 
-    def release_finished(self) -> int:
-        """After a durable checkpoint: release the finished uses it recorded and start the next ledger."""
-        finished = [u for u in self.uses.values() if u.done]
-        if finished:
-            self.consumer.release([u.claim for u in finished])
-        for use in finished:
-            del self.uses[use.claim.segment_id]
+    def checkpoint_taken(self) -> list[Claim]:
+        """A checkpoint recorded `state_dict` and `ledger_entries` as they are now: the next ledger starts empty.
+        The finished uses it records, to `release` once it is durable; uses that finish later wait for the next
+        checkpoint even if this one becomes durable after they finished (it does not record them)."""
         for use in self.uses.values():
             use.since_checkpoint = []
+        return [u.claim for u in self.uses.values() if u.done]
+
+    def release(self, finished: list[Claim]) -> int:
+        """After the checkpoint that recorded `finished` is durable: let those uses leave the store."""
+        if finished:
+            self.consumer.release(finished)
+        for claim in finished:
+            del self.uses[claim.segment_id]
         return len(finished)
+
+    def release_finished(self) -> int:
+        """After a durable checkpoint written just now (training stood still): release the finished uses it
+        recorded and start the next ledger."""
+        return self.release(self.checkpoint_taken())
 
     def load_state_dict(self, state: dict[str, list]) -> None:
         """Open the consumer keeping the claims `state` records, release the finished ones, re-queue the

@@ -10,6 +10,9 @@ the update is the exact decay-weighted mean over all the tokens every rank train
 Each piece of state saves and loads itself (torchtitan's lesson): the drafter, optimizer and scheduler (torch),
 the data position (`position.py`: which segment uses are held and what of them was trained) and the random
 streams (`rng.py`). `checkpoint.py` writes them collectively; `signals.py` turns SIGTERM/SIGINT into a stop.
+With train.async_checkpoint a checkpoint is a host-memory snapshot written by a background thread
+(`checkpoint_writer.py`): training goes on, and the ranks learn from a later step's all-reduce that every part is
+written; then rank 0 publishes and they release what it records.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import json
 import math
 import signal
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -26,8 +30,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
 
-from dflash_stream.config import MAX_LENGTH_BUCKETS, READER_PREFETCH, Config, load_config
-from dflash_stream.diskfull import retry_when_full
+from dflash_stream.config import HOLDING_SHARE, MAX_LENGTH_BUCKETS, READER_PREFETCH, Config, load_config
 from dflash_stream.drafter.batches import Member, TokenBatcher, collate
 from dflash_stream.drafter.shapes import CompileWatch, ShapePlan, fixed_shapes_on
 from dflash_stream.errors import DFlashError
@@ -35,6 +38,7 @@ from dflash_stream.log import get_logger, progress
 from dflash_stream.observe.metrics import MetricsWriter, TrainingTracker
 from dflash_stream.observe.units import fmt_bytes
 from dflash_stream.pipeline import checkpoint as ckpt
+from dflash_stream.pipeline.checkpoint_writer import CheckpointWriter, SharedState
 from dflash_stream.pipeline.common import log_store_event
 from dflash_stream.pipeline.position import DataPosition
 from dflash_stream.pipeline.rng import RngState
@@ -46,17 +50,23 @@ from dflash_stream.pipeline.waiting import DataWait
 from dflash_stream.rundir import RunDir
 
 if TYPE_CHECKING:
-    from dflash_stream.store import Store
+    from dflash_stream.store import Claim, Store
 
 log = get_logger(__name__)
 
 WAIT_POLL_SECONDS = 2.0
 """How long a starved rank blocks on the store before the ranks compare notes again."""
-HOLDING_SHARE = 0.25
-"""Share of store.budget that finished-but-unreleased segments must reach before extractors waiting on a full
-buffer make the trainers checkpoint (a checkpoint per step would cost more than the extractors' wait)."""
 
 
+@dataclass
+class _Pending:
+    """A checkpoint being written in the background; the uses it records as finished wait for it to be durable."""
+
+    step: int
+    reason: str
+    finished: list[Claim]
+    stall: float
+    """Seconds training stood still for it so far (the snapshot; then any wait for the write)."""
 
 
 class Trainer:
@@ -123,7 +133,11 @@ class Trainer:
         # What checkpoints cost this launch: the release rule makes them frequent under a small budget.
         self.checkpoints = 0
         self.checkpoint_stall_seconds = 0.0  # training stood still: the write, the barriers, the release
-        self.checkpoint_write_seconds = 0.0  # of which this rank wrote and synced files
+        self.checkpoint_write_seconds = 0.0  # this rank's writing and syncing (in the background: not a stall)
+        self.async_checkpoint = tc.async_checkpoint
+        self.writer = CheckpointWriter(self.run_dir.root, self.index, self.spec, barrier=self._barrier,
+                                       keep=tc.keep_checkpoints)
+        self._pending: _Pending | None = None
         self.data_wait_seconds = 0.0
         self._last_checkpoint_step = 0
         self._finished = False
@@ -167,42 +181,88 @@ class Trainer:
         """trainer-<rank>.pt: this rank's data position, random streams and sample count."""
         return {**self.position.state_dict(), **self.rng.state_dict(), "samples_trained": self.samples_trained}
 
-    def _write_shared(self, staging: Path) -> None:
-        """The files rank 0 writes for all: the drafter and the shared trainer state."""
-        from dflash_stream.drafter import save_checkpoint_drafter
+    def _shared_state(self) -> SharedState | None:
+        """What rank 0 writes for all (the drafter and the shared trainer state), as live tensors; None on the
+        other ranks. The background writer copies it to host memory before training changes it."""
+        if self.index != 0:
+            return None
+        from dflash_stream.drafter.export import drafter_state
 
-        retry_when_full(f"checkpoint model in {staging}", staging,
-                        lambda: save_checkpoint_drafter(self.drafter, self.spec, staging))
-        ckpt.save_torch({
+        return {"weights": drafter_state(self.drafter), "trainer_state": {
             "optimizer": ckpt.optimizer_state(self.optimizer, self.cfg.train.optimizer_state_dtype),
             "scheduler": self.scheduler.state_dict(),
             "step": self.steps, "tokens": self.tokens_trained, "samples": self._all_samples_trained,
-        }, staging / ckpt.SHARED_STATE)
+        }}
 
-    def _checkpoint(self, reason: str) -> None:
-        """Write checkpoint step-N (collective over the trainers), then release the segment uses it records
-        as finished. A no-op when nothing was trained since the last one."""
-        if self.steps == self._last_checkpoint_step:
-            return
+    def _checkpoint(self, reason: str, wait: bool = False) -> None:
+        """Checkpoint step-N (collective over the trainers); the segment uses it records as finished are released
+        once it is durable. Synchronous: training stands still until then. Asynchronous (train.async_checkpoint):
+        any earlier background write is completed first (one at a time), then the state is snapshot and written
+        in the background, and a later step completes it. `wait`: return only once every checkpoint is durable
+        and released (training stops, or a starved rank needs the release). Nothing new is written when nothing
+        was trained since the last one."""
+        if self.steps != self._last_checkpoint_step:
+            if self.async_checkpoint:
+                self._drain()
+                self._start_background(reason)
+            else:
+                self._write_now(reason)
+        if wait:
+            self._drain()
+            self.writer.settle()
+
+    def _write_now(self, reason: str) -> None:
+        """The synchronous checkpoint: write, publish, release, with training standing still throughout."""
         started = time.perf_counter()
-        saved = ckpt.save(
-            self.run_dir.root, self.steps, self.index, rank_state=self._rank_state(),
-            ledger=self.position.ledger_entries(), write_shared=self._write_shared if self.index == 0 else None,
-            barrier=self._barrier, keep=self.cfg.train.keep_checkpoints,
-        )
+        saved = self.writer.save(self.steps, rank_state=self._rank_state(), ledger=self.position.ledger_entries(),
+                                 shared=self._shared_state if self.index == 0 else None)
         # Durable now: what it records as finished may leave the store.
         released = self.position.release_finished()
-        stall = time.perf_counter() - started
+        self._last_checkpoint_step = self.steps
+        self._checkpoint_done(self.steps, reason, saved, released, time.perf_counter() - started, background=False)
+
+    def _start_background(self, reason: str) -> None:
+        """The asynchronous checkpoint's first half: snapshot and start the write; training stands still only
+        for the copy to host memory."""
+        started = time.perf_counter()
+        rank_state, ledger = self._rank_state(), self.position.ledger_entries()
+        finished = self.position.checkpoint_taken()
+        self.writer.start(self.steps, rank_state=rank_state, ledger=ledger,
+                          shared=self._shared_state if self.index == 0 else None)
+        self._last_checkpoint_step = self.steps
+        self._pending = _Pending(self.steps, reason, finished, time.perf_counter() - started)
+
+    def _drain(self) -> None:
+        """Wait until the background checkpoint (if any) is written on every rank, then complete it; the wait is
+        training standing still (collective)."""
+        if self._pending is not None:
+            self._complete(agreed=False)
+
+    def _complete(self, agreed: bool) -> None:
+        """Publish the background checkpoint and release what it records as finished (collective; every rank at
+        the same step). `agreed`: this step's all-reduce said every rank's part is written."""
+        pending, self._pending = self._pending, None
+        assert pending is not None
+        started = time.perf_counter()
+        saved = self.writer.complete(agreed)
+        released = self.position.release(pending.finished)
+        stall = pending.stall + time.perf_counter() - started
+        self._checkpoint_done(pending.step, pending.reason, saved, released, stall, background=True)
+
+    def _checkpoint_done(self, step: int, reason: str, saved: ckpt.Saved, released: int, stall: float,
+                         background: bool) -> None:
+        """Count, log and report a checkpoint that became durable."""
         self.checkpoints += 1
         self.checkpoint_stall_seconds += stall
         self.checkpoint_write_seconds += saved.write_seconds
-        self._last_checkpoint_step = self.steps
         self.latest_checkpoint = saved.path
         self._revise_schedule()
-        log.info("checkpoint step-%d (%s); released %d segment use(s); training stood still %.2f s (%.2f s "
-                 "writing %s)", self.steps, reason, released, stall, saved.write_seconds, fmt_bytes(saved.bytes))
-        self.metrics.log("checkpoint", step=self.steps, path=str(saved.path), released=released, reason=reason,
-                         stall_s=round(stall, 4), write_s=round(saved.write_seconds, 4), bytes=saved.bytes)
+        how = "written in the background in" if background else "writing"
+        log.info("checkpoint step-%d (%s); released %d segment use(s); training stood still %.2f s (%.2f s %s %s)",
+                 step, reason, released, stall, saved.write_seconds, how, fmt_bytes(saved.bytes))
+        self.metrics.log("checkpoint", step=step, path=str(saved.path), released=released, reason=reason,
+                         stall_s=round(stall, 4), write_s=round(saved.write_seconds, 4), bytes=saved.bytes,
+                         background=background)
         if self.index == 0:
             log_store_event(self.metrics, self.store)
 
@@ -211,13 +271,14 @@ class Trainer:
     def run(self, until_idle: bool = False) -> bool:
         """Train until end of data (True: everything consumed, final checkpoint durable, all released) or
         train.max_steps (True as well: training is over). False after a stop signal (checkpointed), or with
-        `until_idle` once no decoded or READY segment is left (checkpointed and released, never blocking)."""
+        `until_idle` once no decoded or READY segment is left (checkpointed and released, never blocking).
+        Whatever it returns, no checkpoint is left being written in the background."""
         every = self.cfg.train.checkpoint_every
         self._revise_schedule()
         with self.stop:
             while True:
                 if self._max_steps_reached():
-                    self._checkpoint("train.max_steps reached")
+                    self._checkpoint("train.max_steps reached", wait=True)
                     self._finish_report()
                     return True
 
@@ -231,30 +292,40 @@ class Trainer:
                     self.train_seconds += time.perf_counter() - started
                     self.stats.step_done(flags["tokens"])
                     self._report()
+                durable = self.checkpoints
+                # A background checkpoint every rank has written becomes durable here, at the same step everywhere.
+                completed = self._pending is not None and flags["written"]
+                if completed:
+                    self._complete(agreed=True)
 
                 # Stop, at the end of the data or on a signal.
                 if flags["all_exhausted"]:
-                    self._checkpoint("end of data")
+                    self._checkpoint("end of data", wait=True)
                     self._finish_report()
                     return True
                 if flags["stop"]:
-                    self._checkpoint(f"stop requested by {self.stopped_by or 'another trainer'}")
+                    self._checkpoint(f"stop requested by {self.stopped_by or 'another trainer'}", wait=True)
                     return False
 
                 # Checkpoint (and release). The deadlock rule: finished segments a checkpoint would free must
                 # not sit unreleased while extractors wait for space, or while a trainer waits for data (their
-                # next use may be it).
-                if flags["holding_much"] and flags["writers_waiting"]:
+                # next use may be it). The holding flags were counted before a release just now: look again at
+                # the next step. A background write in flight frees space once durable: extractors wait for it
+                # while training goes on; a starved rank has nothing to train, so it waits for the release.
+                blocked = flags["holding_much"] and flags["writers_waiting"] and not completed
+                starved = flags["holding"] and flags["starved"] and not completed
+                if blocked and self._pending is None:
                     self._checkpoint("extractors are blocked on the full buffer")
-                elif flags["holding"] and flags["starved"]:
-                    self._checkpoint("a trainer ran out of ready data")
+                elif starved:
+                    self._checkpoint("a trainer ran out of ready data", wait=True)
                 elif flags["trained"] and self.steps % every == 0:
                     self._checkpoint(f"every {every} steps")
 
-                # No batch anywhere this step: wait for data (or return, in single-process mode).
-                if not flags["trained"]:
+                # No batch anywhere this step: wait for data (or return, in single-process mode); unless a release
+                # just now lets a part-filled batch through or brings the next use: then look again at once.
+                if not flags["trained"] and self.checkpoints == durable:
                     if until_idle and self._store_idle():
-                        self._checkpoint("no ready segment left")
+                        self._checkpoint("no ready segment left", wait=True)
                         return False
                     self._wait_for_data()
                 else:
@@ -310,17 +381,19 @@ class Trainer:
             micro == 0 and not exhausted,
             tokens,
             samples,
+            self.writer.written,
         ]
         vec = torch.tensor(flags + self.stats.pending(), dtype=torch.float64, device=self.device)
         vec = self._all_reduce(vec).tolist()
         self.stats.absorb(vec[len(flags):])
-        trained, stop, waiting, exhausted_ranks, holding, starved, tokens, samples = vec[: len(flags)]
+        trained, stop, waiting, exhausted_ranks, holding, starved, tokens, samples, written = vec[: len(flags)]
         return {
             "trained": trained > 0, "stop": stop > 0, "writers_waiting": waiting > 0,
             "all_exhausted": exhausted_ranks == self.trainers, "holding": holding > 0,
             # Checkpointing for blocked extractors pays only once it frees a real share of the buffer.
             "holding_much": holding >= int(self.cfg.store.budget) * HOLDING_SHARE, "starved": starved > 0,
             "tokens": int(tokens), "samples": int(samples),
+            "written": written == self.trainers,  # every rank's part of the background checkpoint is on disk
         }
 
     def _optimizer_step(self) -> None:
