@@ -421,6 +421,7 @@ def test_init_from_starts_from_the_exported_weights_and_architecture(published, 
             trainer.drafter.fc.weight.add_(1.0)
         trainer.steps = 1
         trainer._checkpoint("test")
+        trainer._drain()  # durable before the next trainer starts (train.async_checkpoint writes in the background)
         trained = drafter_state(trainer.drafter)
     finally:
         trainer.close()
