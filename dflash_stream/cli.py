@@ -34,6 +34,7 @@ COMMANDS = {
     "status": "dflash_stream.observe.commands",
     "report": "dflash_stream.observe.commands",
     "store": "dflash_stream.store.commands",
+    "regenerate": "dflash_stream.regenerate.phase",
 }
 # bench name -> the module whose `register_bench(subparsers)` defines it
 BENCHES = {
@@ -45,6 +46,7 @@ BENCHES = {
     "gpu": "dflash_stream.bench.gpu",
     "quality": "dflash_stream.bench.quality",
     "checkpoint": "dflash_stream.bench.checkpoint",
+    "regenerate": "dflash_stream.bench.regenerate",
 }
 
 

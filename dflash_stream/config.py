@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 import yaml
 from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -94,11 +95,64 @@ class SourceConfig(Section):
 
 
 class GenerationConfig(Section):
+    """How data.regenerate has the target write the answers (`docs/regenerate.md`)."""
+
+    engine: Literal["hf", "openai"] = "hf"
+    """hf: `model.generate` inside the extractors (CPU, tests, small jobs); openai: serving engines (vLLM, SGLang,
+    `transformers serve` or any OpenAI-compatible server) at `endpoints`, beside the launch."""
     max_new_tokens: int = Field(256, ge=1)
     temperature: float = Field(0.0, ge=0)
     """0 means greedy."""
     top_p: float = Field(1.0, gt=0, le=1)
+    seed: int = 0
+    """Sampling seed; with engine openai each request gets its own, derived from this and the sample id, so a
+    request asked again (after a crash) gets the same answer."""
     batch_size: int = Field(8, ge=1)
+    """engine hf: prompts per `generate` call."""
+    endpoints: list[str] = Field(default_factory=list)
+    """engine openai: the servers' base URLs (`http://host:8000/v1`; `/v1` is added to a bare host:port), one per
+    node or GPU group; they share the work."""
+    model: str | None = None
+    """engine openai: the served model name; default: the first model each endpoint lists at /v1/models."""
+    concurrency: int = Field(64, ge=1)
+    """engine openai: requests in flight per endpoint (over all the processes of a run: extractors split it)."""
+    api_key_env: str | None = None
+    """engine openai: the environment variable holding the API key, sent as `Authorization: Bearer`."""
+    timeout_s: float = Field(600.0, gt=0)
+    """engine openai: seconds one request may take (a long answer at a busy server takes minutes)."""
+    give_up_s: float = Field(1800.0, gt=0)
+    """engine openai: how long every endpoint may stay unreachable before the phase stops (a restarting server
+    takes minutes; what was answered is kept)."""
+    retries: int = Field(3, ge=0)
+    """engine openai: how often a request that failed (error status, timeout) is sent again before it counts as
+    an error."""
+    tokens_per_s: float | None = Field(None, gt=0)
+    """engine openai, for `plan`: generated tokens per second of one endpoint (measure it with `bench
+    regenerate`); default: an estimate from the target's size."""
+    gpus_per_endpoint: int = Field(1, ge=1)
+    """engine openai, for `plan`: GPUs one server uses (its tensor/data parallel size), counted beside the
+    launch's."""
+
+    @field_validator("endpoints")
+    @classmethod
+    def _endpoints(cls, v: list[str]) -> list[str]:
+        return [endpoint_base_url(url) for url in v]
+
+    @model_validator(mode="after")
+    def _engine(self) -> GenerationConfig:
+        if self.engine == "openai" and not self.endpoints:
+            raise ValueError("engine openai needs data.generation.endpoints: one or more server base URLs such as "
+                             "http://localhost:8000/v1")
+        return self
+
+
+def endpoint_base_url(url: str) -> str:
+    """`http(s)://host:port[/path]` with `/v1` when no path is given; raises ValueError otherwise."""
+    parts = urlsplit(url.strip())
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise ValueError(f"'{url}' is not an http(s) URL; allowed: base URLs such as http://localhost:8000/v1")
+    path = parts.path.rstrip("/") or "/v1"
+    return f"{parts.scheme}://{parts.netloc}{path}"
 
 
 class DataConfig(Section):

@@ -55,6 +55,10 @@ def test_overrides_reach_nested_keys_and_list_items(minimal):
         (["--data.sources.3.limit=1"], ["data.sources.3", "1 entries"]),
         (["store.codec=none"], ["--section.key=value"]),
         (["--train.epochs=3", "--store.reuse=2"], ["store.reuse=2", "train.epochs=3"]),
+        (["--data.generation.engine=vllm"], ["data.generation.engine", "'hf' or 'openai'"]),
+        (["--data.generation.engine=openai"], ["data.generation", "endpoints", "http://localhost:8000/v1"]),
+        (["--data.generation.endpoints=[localhost:8000]"], ["data.generation.endpoints", "localhost:8000", "http(s) URL"]),
+        (["--data.generation.concurrency=0"], ["data.generation.concurrency", "greater than or equal to 1"]),
     ],
 )
 def test_bad_keys_and_values_name_the_key(minimal, override, words):
@@ -94,3 +98,25 @@ def test_store_codec_names_are_the_registry() -> None:
     from dflash_stream.store import codecs
 
     assert typing.get_args(StoreConfig.model_fields["codec"].annotation) == codecs.names()
+
+
+def test_endpoints_get_their_api_path(minimal):
+    cfg = load_config(minimal, ["--data.generation.engine=openai",
+                                "--data.generation.endpoints=[http://a:8000, 'https://b/v1/', http://c:1/api]"])
+    assert cfg.data.generation.endpoints == ["http://a:8000/v1", "https://b/v1", "http://c:1/api"]
+
+
+def test_where_answers_come_from_leaves_the_data_digest_alone(minimal):
+    """The response cache and the store are named by the data digest: endpoints, concurrency and timeouts do not
+    change the answers, the sampling settings do; engine hf keeps the digest it had (the demo's, pinned)."""
+    from dflash_stream.data.spec import data_spec_digest
+
+    assert data_spec_digest(load_config(CONFIGS / "demo.yaml")) == "f752dce66a8335f9"
+    served = ["--data.regenerate=true", "--data.generation.engine=openai", "--data.generation.endpoints=[http://a:1]"]
+    base = data_spec_digest(load_config(minimal, served))
+    for other in (["--data.generation.endpoints=[http://b:2, http://c:3]"], ["--data.generation.concurrency=7"],
+                  ["--data.generation.timeout_s=5"], ["--data.generation.seed=3"]):  # greedy: the seed is unused
+        assert data_spec_digest(load_config(minimal, served + other)) == base, other
+    for other in (["--data.generation.max_new_tokens=9"], ["--data.generation.model=m"],
+                  ["--data.generation.temperature=0.7"], ["--data.generation.engine=hf"]):
+        assert data_spec_digest(load_config(minimal, served + other)) != base, other

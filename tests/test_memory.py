@@ -349,3 +349,25 @@ def test_regeneration_and_extraction_rates_use_the_layer_types_and_active_parame
     # FLOPs per token: the active parameters of the 6 layers run (early stop after layer 5), not the total.
     body = dims.active_parameters - 2 * 1000 * 512
     assert rate == pytest.approx(4.0e14 / (2 * body / 8 * 6))
+
+
+def test_extractor_memory_has_no_regeneration_with_engine_openai(tmp_path: Path):
+    """The servers decode beside the launch: an extractor holds the capture forward alone, as without
+    regeneration, and `run`'s startup check and the knob never point at data.generation.batch_size."""
+    from dflash_stream.observe.memory import memory_plan
+    from dflash_stream.target_model.shape import target_shape
+
+    def extractor(**data):
+        cfg = load_config(_config(tmp_path, data=data))
+        return memory_plan(cfg, target_shape(cfg.target), [1, 9, 17, 25, 33], "gpu", 96 * GB)["extractor"]
+
+    hf = extractor(regenerate=True, generation={"batch_size": 64})
+    served = extractor(regenerate=True, generation={"engine": "openai", "endpoints": ["http://a:8000/v1"],
+                                                    "batch_size": 64})
+    plain = extractor(regenerate=False)
+    assert {"regeneration_kv_cache", "regeneration_prefill"} <= set(hf["parts"]) and "regenerate" in hf["phases"]
+    assert not any(k.startswith("regeneration") for k in served["parts"]) and set(served["phases"]) == {"forward"}
+    assert served == plain and served["total_bytes"] < hf["total_bytes"]
+    # The vLLM variant of the headline config: no regeneration parts in the plan's memory either.
+    plan = build_plan(load_config(ROOT / "configs" / "qwen3.6-27b-4gpu-vllm.yaml"), processes=4)
+    assert not any(k.startswith("regeneration") for k in plan["memory"]["extractor"]["parts"])

@@ -323,3 +323,182 @@ def test_plan_uses_the_counts_of_dflash_stream_data_for_the_same_data(tiny_targe
     assert "dflash-stream data" in data["mean_tokens_source"]
     other = load_config(config, ["--data.sources.0.limit=5"])
     assert "dflash-stream data" not in build_plan(other)["data"]["samples_source"]
+
+
+# ------------------------------------------------------------------------ regeneration on serving engines
+
+
+def _regen_config(tmp_path: Path, engine: str = "openai", regenerate: bool = True, **generation) -> Path:
+    """A 36-layer, 4096-wide dense target (hints, no download) with regeneration by `engine`."""
+    gen = {"engine": engine, "max_new_tokens": 2048, **generation}
+    if engine == "openai":
+        gen.setdefault("endpoints", ["http://serve-0:8000/v1", "http://serve-1:8000/v1"])
+    folder = tmp_path / f"config-{len(list(tmp_path.glob('config-*')))}"  # each config its own file
+    folder.mkdir()
+    return _config(folder, {
+        "output_dir": str(tmp_path / "out"),
+        "target": {"model": "org/m", "num_layers": 36, "hidden_size": 4096, "vocab_size": 151936,
+                   "intermediate_size": 12288, "num_key_value_heads": 8, "head_dim": 128},
+        "data": {"sources": [{"path": "org/data"}], "max_length": 4096, "regenerate": regenerate,
+                 "generation": gen},
+        "store": {"path": str(tmp_path / "store"), "budget": "50GB"},
+        "train": {"epochs": 2, "checkpoint_every": 10**6},
+        "roles": {"device_memory": "96GB"},
+    })
+
+
+def test_plan_openai_with_a_measured_rate_is_samples_x_response_over_the_endpoints(tmp_path: Path) -> None:
+    """tokens_per_s set: all the answers take samples x response tokens / (tokens_per_s x endpoints), whatever the
+    split of the launch, and the extraction side overlaps it (the slower of the two sets its pace)."""
+    from dflash_stream.observe.plan import MEASURED_SERVER_RATE, PROMPT_SHARE
+
+    samples, mean = 10_000, 1_500
+    response = mean * (1 - PROMPT_SHARE)  # 1,000 tokens per answer
+    endpoints = [f"http://serve-{i}:8000/v1" for i in range(4)]
+    for n, rate in ((2, 500.0), (4, 500.0), (4, 50_000.0)):
+        cfg = load_config(_regen_config(tmp_path, endpoints=endpoints[:n], tokens_per_s=rate))
+        t = build_plan(cfg, samples=samples, mean_tokens=mean, processes=4)["time"]
+        assert t["regenerate"]["tokens_per_s_source"] == MEASURED_SERVER_RATE
+        assert "measured" in MEASURED_SERVER_RATE and "data.generation.tokens_per_s" in MEASURED_SERVER_RATE
+        assert t["regenerate_seconds"] == pytest.approx(samples * response / (rate * n), rel=1e-12)
+        assert t["phases"]["data"]["seconds"] == t["regenerate_seconds"]
+        extract = t["phases"]["extract"]["seconds"]
+        assert t["extract_side_seconds"] == max(t["regenerate_seconds"], extract)
+        assert t["total_seconds"] == max(t["regenerate_seconds"], extract, t["phases"]["train"]["seconds"])
+        assert f"regeneration on {n} endpoint(s) beside the launch, overlapped with extraction" in \
+            t["phases"]["data"]["source"]
+    # Slow servers (500 tok/s) set the pace: 10,000 x 1,000 / (500 x 4) = 5,000 s, longer than the launch's work.
+    assert t["regenerate_seconds"] < t["phases"]["extract"]["seconds"]  # the fast case: extraction is slower
+    slow = build_plan(load_config(_regen_config(tmp_path, endpoints=endpoints, tokens_per_s=1.0)),
+                      samples=samples, mean_tokens=mean, processes=4)["time"]
+    assert slow["regenerate_seconds"] == pytest.approx(samples * response / 4)
+    assert slow["total_seconds"] == slow["extract_side_seconds"] == slow["regenerate_seconds"]
+
+
+def test_plan_openai_estimate_falls_with_more_endpoints_and_is_labelled(tmp_path: Path) -> None:
+    """No tokens_per_s: an estimate named as one; twice the endpoints halve the time; continuous batching at a
+    higher concurrency generates more per endpoint; the server's memory caps the sequences decoded at once."""
+    one = build_plan(load_config(_regen_config(tmp_path, endpoints=["http://a:8000/v1"])),
+                     samples=10_000, mean_tokens=1_500, processes=4)["time"]
+    three = build_plan(load_config(_regen_config(tmp_path, endpoints=[f"http://a{i}:8000/v1" for i in range(3)])),
+                       samples=10_000, mean_tokens=1_500, processes=4)["time"]
+    r = one["regenerate"]
+    assert "estimated" in r["tokens_per_s_source"] and "bench regenerate" in r["tokens_per_s_source"]
+    assert any("continuous batching" in a and "no padding to the longest answer" in a for a in r["assumptions"])
+    assert three["regenerate_seconds"] == pytest.approx(one["regenerate_seconds"] / 3)
+    assert three["regenerate"]["tokens_per_s"] == r["tokens_per_s"]  # per endpoint
+    # Bandwidth bound: one step reads the weights, the running answers' mean paged cache (prompt 500 + half of a
+    # 1,000-token answer = 1,000 tokens each), 64 sequences by default, at 2.4 TB/s.
+    kv = 36 * 1_000 * 2 * 8 * 128 * 2
+    assert r["running_sequences"] == 64 and r["kv_bytes_read_per_step"] == 64 * kv
+    assert r["step_seconds"] == pytest.approx((r["weight_bytes"] + 64 * kv) / 2.4e12)
+    assert r["tokens_per_s"] == pytest.approx(64 / r["step_seconds"])
+    more = build_plan(load_config(_regen_config(tmp_path, endpoints=["http://a:8000/v1"], concurrency=128)),
+                      samples=10_000, mean_tokens=1_500, processes=4)["time"]["regenerate"]
+    # Twice the sequences per step for little more than the same weight read (16 GB against 9 GB of cache).
+    assert more["tokens_per_s"] > 1.4 * r["tokens_per_s"]
+    capped = build_plan(load_config(_regen_config(tmp_path, endpoints=["http://a:8000/v1"], concurrency=100_000)),
+                        samples=10_000, mean_tokens=1_500, processes=4)["time"]["regenerate"]
+    assert capped["running_sequences"] == capped["sequences_that_fit"] < 100_000
+    assert any("holds only" in a for a in capped["assumptions"])
+
+
+def test_plan_openai_split_excludes_regeneration(tmp_path: Path) -> None:
+    """The extractors do not decode with engine openai: their work per sample and the chosen split are those of a
+    run without regeneration, while engine hf adds the decoding to the extractors (and shifts the split)."""
+    from dflash_stream.observe.plan import role_work
+    from dflash_stream.target_model.shape import target_shape
+
+    def work_and_split(cfg):
+        shape = target_shape(cfg.target)
+        layers = [1, 9, 17, 25, 33]
+        plan = build_plan(cfg, samples=10_000, mean_tokens=1_500, processes=8)
+        return role_work(cfg, shape, layers, 1_500, None)["extractor_seconds_per_sample"], plan["roles"]
+
+    plain, plain_roles = work_and_split(load_config(_regen_config(tmp_path, regenerate=False)))
+    served, served_roles = work_and_split(load_config(_regen_config(tmp_path)))
+    local, local_roles = work_and_split(load_config(_regen_config(tmp_path, engine="hf")))
+    assert served == plain and local > 2 * plain
+    assert served_roles["trainers"] == plain_roles["trainers"] > local_roles["trainers"]
+    assert served_roles["alternatives"] == plain_roles["alternatives"]
+
+
+def test_plan_counts_the_serving_gpus_beside_the_launch(tmp_path: Path, capsys) -> None:
+    endpoints = [f"http://serve-{i}:8000/v1" for i in range(3)]
+    path = _regen_config(tmp_path, endpoints=endpoints, gpus_per_endpoint=2)
+    plan = build_plan(load_config(path), samples=10_000, mean_tokens=1_500, processes=4)
+    assert plan["time"]["gpus"] == {"launch": 4, "serving": 6, "total": 10}
+    hf = build_plan(load_config(_regen_config(tmp_path, engine="hf")), samples=10_000, mean_tokens=1_500,
+                    processes=4)
+    assert hf["time"]["gpus"] == {"launch": 4, "serving": 0, "total": 4}
+    # No regeneration: no servers asked, whatever the engine says.
+    plain = build_plan(load_config(_regen_config(tmp_path, regenerate=False, endpoints=endpoints)), processes=4,
+                       samples=10_000, mean_tokens=1_500)
+    assert plain["time"]["gpus"]["serving"] == 0
+    # Tensor parallel over 2 GPUs: twice the bandwidth at 80 % efficiency, so more tokens per endpoint.
+    r, r1 = plan["time"]["regenerate"], build_plan(
+        load_config(_regen_config(tmp_path, endpoints=endpoints)), samples=10_000, mean_tokens=1_500,
+        processes=4)["time"]["regenerate"]
+    assert r["bandwidth_bytes_per_s"] == pytest.approx(2 * 0.8 * r1["bandwidth_bytes_per_s"])
+    assert r["tokens_per_s"] > r1["tokens_per_s"]
+
+    assert main(["plan", "--config", str(path), "--processes", "4", "--samples", "10000", "--mean-tokens",
+                 "1500"]) == 0
+    page = capsys.readouterr().out
+    assert "GPUs: 4 in the launch + 6 serving (3 endpoints x 2) = 10" in page
+    assert "regeneration on 3 endpoint(s) beside the launch, overlapped with extraction" in page
+    assert main(["plan", "--config", str(path), "--processes", "4", "--samples", "10000", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["time"]["gpus"]["total"] == 10
+
+
+def test_plan_warns_when_the_weights_do_not_fit_a_server(tmp_path: Path) -> None:
+    path = _regen_config(tmp_path, endpoints=["http://a:8000/v1"])
+    small = load_config(path, ["--roles.device_memory=4GB"])
+    plan = build_plan(small, samples=1_000, mean_tokens=1_500, processes=2)
+    assert plan["time"]["regenerate"]["weights_fit"] is False
+    assert any("data.generation.gpus_per_endpoint" in w for w in plan["warnings"])
+    assert not any("gpus_per_endpoint" in w for w in build_plan(load_config(path), samples=1_000, mean_tokens=1_500,
+                                                                 processes=2)["warnings"])
+
+
+def test_plan_checkpoints_follow_the_overlapped_extraction_side(tmp_path: Path) -> None:
+    """With slow servers the extraction side's pace is regeneration's alone (not regeneration + extraction), and
+    the release rule forces one checkpoint per budget's worth of states written at that pace."""
+    cfg = load_config(_regen_config(tmp_path, endpoints=["http://a:8000/v1"], tokens_per_s=5.0))
+    plan = build_plan(cfg, samples=10_000, mean_tokens=1_500, processes=4)
+    t, c = plan["time"], plan["time"]["checkpoints"]
+    assert t["extract_side_seconds"] == t["regenerate_seconds"] > t["phases"]["extract"]["seconds"]
+    written = 10_000 * 1_500 * plan["volume"]["stored_bytes_per_token"] / t["regenerate_seconds"]
+    assert "extraction is the slower side" in c["forced_by"]
+    assert c["every_seconds"] == pytest.approx(int(cfg.store.budget) / written)
+
+
+def test_plan_hf_regeneration_figures_are_unchanged() -> None:
+    """Engine hf (the headline config) keeps the figures it had before engine openai came: regeneration on the
+    extractors, added to their extraction."""
+    plan = build_plan(load_config(Path(__file__).parents[1] / "configs" / "qwen3.6-27b-4gpu.yaml"),
+                      samples=914_000, processes=4)
+    t = plan["time"]
+    assert t["regenerate"]["engine"] == "hf"
+    assert t["regenerate"]["seconds_per_sample"] == pytest.approx(1.86278371328, rel=1e-9)
+    assert t["regenerate_seconds"] == pytest.approx(851292.15696896, rel=1e-9)
+    assert t["total_seconds"] == pytest.approx(934448.604425216, rel=1e-9)
+    assert t["extract_side_seconds"] == pytest.approx(t["regenerate_seconds"] + t["phases"]["extract"]["seconds"])
+    assert t["checkpoints"]["every_seconds"] == pytest.approx(1123.1024647124304, rel=1e-9)
+    assert plan["roles"]["trainers"] == 2 and t["gpus"] == {"launch": 4, "serving": 0, "total": 4}
+
+
+def test_vllm_headline_config_plans_servers_beside_the_launch() -> None:
+    """configs/qwen3.6-27b-4gpu-vllm.yaml: 4 endpoints of one GPU each beside the 4-GPU launch; the estimate is
+    labelled as one (no measured figure in the config); the extractors' split ignores the decoding."""
+    root = Path(__file__).parents[1] / "configs"
+    cfg = load_config(root / "qwen3.6-27b-4gpu-vllm.yaml")
+    assert cfg.data.generation.tokens_per_s is None and len(cfg.data.generation.endpoints) == 4
+    plan = build_plan(cfg, samples=914_000, processes=4)
+    t = plan["time"]
+    assert t["gpus"] == {"launch": 4, "serving": 4, "total": 8}
+    assert "estimated" in t["regenerate"]["tokens_per_s_source"]
+    assert t["regenerate"]["running_sequences"] == 128  # the configured concurrency fits a 96 GB server
+    headline = build_plan(load_config(root / "qwen3.6-27b-4gpu.yaml"), samples=914_000, processes=4)
+    assert t["total_seconds"] < headline["time"]["total_seconds"]
+    assert plan["roles"]["trainers"] > headline["roles"]["trainers"]

@@ -152,7 +152,7 @@ def test_padded_regeneration_equals_each_prompt_alone(family):
     from types import SimpleNamespace
 
     from dflash_stream.config import GenerationConfig
-    from dflash_stream.target_model.regenerate import generate_responses
+    from dflash_stream.target_model.generate import generate_responses
 
     model = make_target(family)
     model.generation_config.eos_token_id = None  # full-length answers: every position is compared

@@ -9,7 +9,7 @@ import torch
 from dflash_stream.config import ConfigError, TargetConfig
 from dflash_stream.target_model import load_target, resolve_layer_ids
 from dflash_stream.target_model.capture import LayerCapture
-from dflash_stream.target_model.regenerate import generate_responses
+from dflash_stream.target_model.generate import generate_responses
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ def data_spec(cfg: Config) -> dict[str, Any]:
         "sources": [s.model_dump() for s in cfg.data.sources],
         "system_prompt": cfg.data.system_prompt,
         "regenerate": cfg.data.regenerate,
-        "generation": cfg.data.generation.model_dump() if cfg.data.regenerate else None,
+        "generation": generation_spec(cfg) if cfg.data.regenerate else None,
         "min_supervised_tokens": cfg.min_supervised_tokens,
         "seed": cfg.data.seed,
         # data.chat_template (its text's digest) and data.chat_template_kwargs, only when set: a run without
@@ -30,3 +30,13 @@ def data_spec(cfg: Config) -> dict[str, Any]:
 def data_spec_digest(cfg: Config) -> str:
     """A short digest of the data spec."""
     return hashlib.sha256(json.dumps(data_spec(cfg), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def generation_spec(cfg: Config) -> dict[str, Any]:
+    """The generation settings that decide the answers. Where they come from (endpoints, concurrency, timeouts)
+    does not; engine hf keeps the settings it always had, batch size included (padding moves the numbers)."""
+    gen = cfg.data.generation
+    spec = {"max_new_tokens": gen.max_new_tokens, "temperature": gen.temperature, "top_p": gen.top_p}
+    if gen.engine == "hf":
+        return {**spec, "batch_size": gen.batch_size}
+    return {**spec, "engine": gen.engine, "model": gen.model, **({"seed": gen.seed} if gen.temperature > 0 else {})}

@@ -4,8 +4,8 @@ Each role's peak is a sum of named parts, counted from what the code allocates (
 
 - extractor: the target's weights, then whichever of its two phases is larger (they alternate): the capture
   forward at `extract.batch_tokens` (one decoder layer's working set, the captured layers' states and their
-  concatenation), or regeneration (`model.generate`: the cache of a full generation batch and the prefill's
-  working set). The cache follows the target's layer types (`target_model.shape`): K/V on attention layers
+  concatenation), or regeneration with data.generation.engine hf (`model.generate`: the cache of a full
+  generation batch and the prefill's working set; engine openai decodes on servers beside the launch). The cache follows the target's layer types (`target_model.shape`): K/V on attention layers
   only (a sliding layer holds at most its window; MLA its compressed latent), and a fixed-size recurrent state
   per sequence on linear-attention (Gated-DeltaNet) layers.
 - trainer: the drafter's parameters and AdamW states, the frozen target embedding and LM head, then whichever is
@@ -421,7 +421,10 @@ def role_estimates(cfg: Config, dims: TargetDims, layer_ids: list[int], kind: st
     process holds both roles and alternates them, so each role's peak sits beside the other's resident part."""
     dtype_bytes = target_dtype_bytes(cfg, kind)
     forward = worst_forward(cfg.extract.batch_tokens, cfg.data.max_length)
-    gen = (cfg.data.generation.batch_size, cfg.data.max_length) if cfg.data.regenerate else None
+    # Only engine hf runs `model.generate` in the extractors; with engine openai the servers beside the launch
+    # decode, and an extractor holds the capture forward alone.
+    generates = cfg.data.regenerate and cfg.data.generation.engine == "hf"
+    gen = (cfg.data.generation.batch_size, cfg.data.max_length) if generates else None
     extractor = extractor_memory(dims, forward, captured_layers=len(layer_ids), dtype_bytes=dtype_bytes,
                                  generation=gen)
     drafter = drafter_dims(cfg, dims, len(layer_ids))

@@ -36,6 +36,9 @@ ASSUMED_CHECKPOINT_WRITE = {"gpu": 1.0e9, "cpu": 0.5e9}
 # measured 2.57 GB in 0.63 s beside a running optimizer on this project's 2-core CPU machine (~4 GB/s).
 ASSUMED_SNAPSHOT_COPY = 4.0e9
 CHECKPOINT_STALL_WARN = 0.05  # warn when checkpoints stop training for more than this share of its time
+# Share of the ideal N-fold speed a server split over N GPUs (tensor parallel) reaches: the per-layer all-reduces.
+TP_EFFICIENCY = 0.8
+MEASURED_SERVER_RATE = "data.generation.tokens_per_s (measured, e.g. by `dflash-stream bench regenerate`)"
 PROMPT_SHARE = 1 / 3  # assumed prompt part of a regenerated sample's tokens (chat and code answers run long)
 THIN_MARGIN = 0.2  # warn when the disk left after the budget is under this fraction of the budget
 REUSE_WINDOW_STEPS_MEASURED = 4.5
@@ -329,6 +332,13 @@ def build_plan(cfg: Config, samples: int | None = None, mean_tokens: float | Non
                                 f"{fmt_bytes(disk['free_bytes'])} is free")
 
     work = role_work(cfg, shape, layer_ids, mean, tune)
+    regen = work["regenerate"]
+    if regen and regen.get("weights_fit") is False:
+        gen = cfg.data.generation
+        warnings.append(f"the target's weights ({fmt_bytes(regen['weight_bytes'])}) do not fit the memory of one "
+                        f"endpoint's {gen.gpus_per_endpoint} GPU(s), so the regeneration estimate means little: "
+                        "raise data.generation.gpus_per_endpoint (tensor parallel), or measure the servers and set "
+                        "data.generation.tokens_per_s")
     roles = split_plan(cfg, launch["num_processes"], work, n_samples)
     # Padding makes real batches hold fewer samples than this: the window in steps is if anything larger.
     samples_per_step = cfg.train.batch_tokens * cfg.train.grad_accum * roles["trainers"] / mean
@@ -375,6 +385,15 @@ def build_plan(cfg: Config, samples: int | None = None, mean_tokens: float | Non
 
 
 def regeneration_estimate(cfg: Config, dims: TargetDims, mean: float, kind: str) -> dict[str, Any]:
+    """What regenerating the answers costs, by `data.generation.engine`: hf on the extractors
+    (`seconds_per_sample` on one process, see `_hf_regeneration`), openai on the servers beside the launch
+    (`seconds_per_sample` on all the endpoints together, see `_server_regeneration`)."""
+    if cfg.data.generation.engine == "openai":
+        return _server_regeneration(cfg, dims, mean, kind)
+    return _hf_regeneration(cfg, dims, mean, kind)
+
+
+def _hf_regeneration(cfg: Config, dims: TargetDims, mean: float, kind: str) -> dict[str, Any]:
     """Seconds per sample to regenerate its response on one process. Decoding is memory-bandwidth bound: each
     step reads all the weights and the batch's cache once, and yields one token per row of the batch. The cache
     follows the layer types: K/V on attention layers only (sliding ones up to their window), and on
@@ -396,7 +415,7 @@ def regeneration_estimate(cfg: Config, dims: TargetDims, mean: float, kind: str)
     if state_traffic:
         cache += f" and its linear-attention state, read and written ({fmt_bytes(state_traffic)})"
     return {
-        "seconds_per_sample": steps * step / gen.batch_size + prefill,
+        "engine": "hf", "seconds_per_sample": steps * step / gen.batch_size + prefill,
         "step_seconds": step, "decode_steps_per_batch": steps, "batch_size": gen.batch_size,
         "prompt_tokens": prompt, "response_tokens": mean - prompt,
         "weight_bytes": weights, "kv_bytes_read_per_step": kv_read, "state_bytes_per_step": state_traffic,
@@ -409,6 +428,83 @@ def regeneration_estimate(cfg: Config, dims: TargetDims, mean: float, kind: str)
             f"each step reads the weights ({fmt_bytes(weights)}) and {cache} at an assumed "
             f"{bandwidth / 1e12:g} TB/s effective per {kind.upper()} process",
             f"prefill compute bound at {flops / 1e12:g} TFLOP/s effective",
+        ],
+    }
+
+
+def _server_regeneration(cfg: Config, dims: TargetDims, mean: float, kind: str) -> dict[str, Any]:
+    """Regeneration on serving engines (engine openai): the endpoints generate `tokens_per_s` each, so all the
+    answers take samples x response tokens / (tokens_per_s x endpoints); `seconds_per_sample` is that per
+    sample, on all the endpoints together. tokens_per_s is data.generation.tokens_per_s when measured, else
+    `_server_tokens_per_s`'s estimate."""
+    gen = cfg.data.generation
+    prompt = mean * PROMPT_SHARE
+    response = mean - prompt
+    endpoints = len(gen.endpoints)
+    out: dict[str, Any] = {
+        "engine": "openai", "endpoints": endpoints, "concurrency": gen.concurrency,
+        "gpus_per_endpoint": gen.gpus_per_endpoint, "prompt_tokens": prompt, "response_tokens": response,
+        "assumptions": [f"prompt/response split {PROMPT_SHARE:.0%}/{1 - PROMPT_SHARE:.0%} of the {mean:,.0f} "
+                        f"tokens per sample (prompt {prompt:,.0f}, response {response:,.0f})"],
+    }
+    if gen.tokens_per_s:
+        out.update(tokens_per_s=gen.tokens_per_s, tokens_per_s_source=MEASURED_SERVER_RATE)
+    else:
+        out.update(_server_tokens_per_s(cfg, dims, prompt, response, kind))
+        out["assumptions"] += out.pop("estimate_assumptions")
+    out["seconds_per_sample"] = response / (out["tokens_per_s"] * endpoints)
+    return out
+
+
+def _server_tokens_per_s(cfg: Config, dims: TargetDims, prompt: float, response: float, kind: str
+                         ) -> dict[str, Any]:
+    """Generated tokens/s of one endpoint, estimated like `_hf_regeneration` (bandwidth-bound decoding) but with
+    a serving engine's continuous batching: every step decodes `concurrency` sequences (fewer when the server's
+    memory holds fewer), a finished answer's slot is refilled at once, so no row waits for the batch's longest
+    answer, and the paged KV cache holds what the running answers have, on average prompt + half an answer.
+    Chunked prefill runs inside the decode steps: its FLOPs are added to theirs. A server spans
+    `gpus_per_endpoint` devices of the launch's kind (tensor parallel: each reads its share of the weights and
+    cache, at TP_EFFICIENCY for the all-reduces)."""
+    from dflash_stream.observe.memory import USABLE_FRACTION, device_memory, target_dtype_bytes
+
+    gen = cfg.data.generation
+    gpus = gen.gpus_per_endpoint
+    dtype_bytes = target_dtype_bytes(cfg, kind)
+    weights = dims.num_parameters * dtype_bytes
+    kv_per_sequence = dims.mean_kv_cache_bytes(prompt, prompt + response, dtype_bytes)
+    # The server keeps as many sequences running as its memory (after the weights) holds: vLLM's default
+    # gpu_memory_utilization is the same 0.9 as the memory plan's usable share.
+    device, device_source = device_memory(cfg, kind, None, 1)
+    room = gpus * device * USABLE_FRACTION - weights
+    fit = int(room // (kv_per_sequence + dims.state_bytes)) if room > 0 else 0
+    running = max(1, min(gen.concurrency, fit))
+    kv_read = running * kv_per_sequence
+    state_traffic = running * 2 * dims.state_bytes
+    efficiency = TP_EFFICIENCY if gpus > 1 else 1.0
+    bandwidth, flops = ASSUMED_BANDWIDTH[kind] * gpus * efficiency, ASSUMED_FLOPS[kind] * gpus * efficiency
+    # Per step: `running` tokens decoded, and the prefill of the answers they finish (running / response of them).
+    step_flops = 2 * dims.active_parameters * running * (1 + prompt / response)
+    step = max((weights + kv_read + state_traffic) / bandwidth, step_flops / flops)
+    cache = f"the running answers' mean paged KV cache ({fmt_bytes(kv_read)})"
+    if state_traffic:
+        cache += f" and their linear-attention state, read and written ({fmt_bytes(state_traffic)})"
+    per_device = f"{ASSUMED_BANDWIDTH[kind] / 1e12:g} TB/s and {ASSUMED_FLOPS[kind] / 1e12:g} TFLOP/s effective per "
+    per_device += f"{kind.upper()} (a device of the launch's kind)"
+    tp = f", {gpus} per server at {TP_EFFICIENCY:.0%} tensor-parallel efficiency" if gpus > 1 else ", one per server"
+    running_note = (f"{running} sequences decoded per step (data.generation.concurrency)" if running == gen.concurrency
+                    else f"{running} sequences decoded per step: the server's memory ({gpus} x {fmt_bytes(device)}, "
+                    f"{device_source}) holds only {fit} of the {gen.concurrency} requests in flight beside the weights")
+    return {
+        "tokens_per_s": running / step,
+        "tokens_per_s_source": "estimated (no data.generation.tokens_per_s; measure it with `dflash-stream bench "
+                               "regenerate`)",
+        "running_sequences": running, "sequences_that_fit": fit, "step_seconds": step, "weight_bytes": weights,
+        "kv_bytes_read_per_step": kv_read, "state_bytes_per_step": state_traffic,
+        "bandwidth_bytes_per_s": bandwidth, "weights_fit": room > 0,
+        "estimate_assumptions": [
+            f"continuous batching: {running_note}; no padding to the longest answer",
+            f"each step reads the weights ({fmt_bytes(weights)}) and {cache}, with chunked prefill's FLOPs, at "
+            f"{per_device}{tp}",
         ],
     }
 
@@ -435,20 +531,22 @@ def role_work(cfg: Config, shape: TargetShape, layer_ids: list[int], mean: float
     train_rate, train_src = _rate(cfg.train.tokens_per_s, (tune or {}).get("train_tok_s"),
                                   est["train_tok_s"], tune_note, est["note"])
     regen = regeneration_estimate(cfg, target_dims(shape), mean, device_kind(cfg)) if cfg.data.regenerate else None
+    # Engine hf decodes on the extractors; engine openai on the servers beside the launch, so the split of the
+    # launch is chosen without it (`_time_plan` overlaps it with extraction).
+    on_extractors = regen["seconds_per_sample"] if regen and regen["engine"] == "hf" else 0.0
     return {
         "extract_tok_s": ext_rate, "extract_source": ext_src, "train_tok_s": train_rate, "train_source": train_src,
         "regenerate": regen,
         # One sample's work per role on one process: regeneration happens once (responses are cached), the
         # forward once per extraction pass, the drafter step once per epoch.
-        "extractor_seconds_per_sample": (regen["seconds_per_sample"] if regen else 0.0)
-        + mean * cfg.extraction_passes / ext_rate,
+        "extractor_seconds_per_sample": on_extractors + mean * cfg.extraction_passes / ext_rate,
         "trainer_seconds_per_sample": mean * cfg.train.epochs / train_rate,
     }
 
 
 def split_alternatives(processes: int, extract_seconds: float, train_seconds: float) -> list[dict[str, Any]]:
     """Wall time of every split of `processes`. `extract_seconds` and `train_seconds` are the whole run's work
-    of each role on one process (regeneration included); a role's processes share it evenly (data shards for
+    of each role on one process (regeneration included with engine hf); a role's processes share it evenly (data shards for
     extractors, data parallelism for trainers), and the slower role sets the pace."""
     return [
         {"extractors": processes - t, "trainers": t,
@@ -506,15 +604,34 @@ def plan_roles(cfg: Config, processes: int, allow_download: bool = False) -> dic
     return split_plan(cfg, processes, role_work(cfg, shape, layer_ids, mean, tune), None)
 
 
+def gpu_count(cfg: Config, processes: int) -> dict[str, int]:
+    """GPUs the run occupies: the launch's processes (one GPU each) and, with engine openai, the servers beside
+    it (endpoints x gpus_per_endpoint, only when data.regenerate asks them). All 0 on CPU (target.device cpu)."""
+    if device_kind(cfg) == "cpu":
+        return {"launch": 0, "serving": 0, "total": 0}
+    gen = cfg.data.generation
+    serving = len(gen.endpoints) * gen.gpus_per_endpoint if cfg.data.regenerate and gen.engine == "openai" else 0
+    return {"launch": processes, "serving": serving, "total": processes + serving}
+
+
 def _time_plan(cfg: Config, shape: TargetShape, layer_ids: list[int], work: dict[str, Any], roles: dict[str, Any],
                samples: int | None, tokens: float | None, processes: int, tune: dict | None) -> dict[str, Any]:
+    """Seconds per phase and in all. Keys beside `phases`: `regenerate` (the estimate), `regenerate_seconds`,
+    `extract_side_seconds` (what the extraction side takes: regeneration + extraction with engine hf, their max
+    with engine openai, whose servers answer while the extractors extract the windows already answered),
+    `total_seconds`, and `gpus` {launch, serving, total} (`gpu_count`)."""
     from dflash_stream.store import codecs
 
     overlapped = roles["mode"] == "split"
     extractors, trainers = roles["extractors"], roles["trainers"]
     regen = work["regenerate"]
+    served = bool(regen) and regen["engine"] == "openai"
     data_note = "tokenization only: seconds to minutes, before each extractor starts"
-    if regen:
+    if served:
+        data_note = (f"regeneration on {regen['endpoints']} endpoint(s) beside the launch, overlapped with "
+                     f"extraction: {regen['tokens_per_s']:,.0f} tok/s per endpoint [{regen['tokens_per_s_source']}]; "
+                     + "; ".join(regen["assumptions"]))
+    elif regen:
         data_note = ("regeneration on the extractors before they extract: bandwidth-bound decoding, "
                      + "; ".join(regen["assumptions"]))
     phases: dict[str, Any] = {
@@ -531,19 +648,28 @@ def _time_plan(cfg: Config, shape: TargetShape, layer_ids: list[int], work: dict
         phases["store"].update(encode_bytes_per_s=written,
                                source=f"measured by tune ({tune.get('device', '?')}), encode + write; beside the forward")
     out = {"processes": processes, "overlapped": overlapped, "phases": phases, "regenerate": regen,
-           "regenerate_seconds": None, "total_seconds": None}
+           "regenerate_seconds": None, "extract_side_seconds": None, "total_seconds": None,
+           "gpus": gpu_count(cfg, processes)}
     if not tokens:
         return out
-    regen_s = samples * regen["seconds_per_sample"] / extractors if regen else 0.0
+    # hf: each extractor regenerates its shard; openai: the endpoints share all the answers, whatever the split.
+    regen_s = samples * regen["seconds_per_sample"] / (1 if served else extractors) if regen else 0.0
     if regen:
         phases["data"]["seconds"] = out["regenerate_seconds"] = regen_s
     phases["extract"]["seconds"] = tokens * cfg.extraction_passes / (work["extract_tok_s"] * extractors)
     phases["train"]["seconds"] = tokens * cfg.train.epochs / (work["train_tok_s"] * trainers)
     raw = tokens * cfg.extraction_passes * shape.hidden_size * len(layer_ids) * 2
     phases["store"]["encode_cpu_seconds"] = raw / phases["store"]["encode_bytes_per_s"]
-    ext_s, train_s = regen_s + phases["extract"]["seconds"], phases["train"]["seconds"]
-    # Split roles stream: the slower side sets the pace. One process alternates, so the phases add up.
-    out["total_seconds"] = max(ext_s, train_s) if overlapped else ext_s + train_s
+    extract_s, train_s = phases["extract"]["seconds"], phases["train"]["seconds"]
+    # hf: an extractor decodes, then extracts; openai: the servers answer beside the launch, and the extractors
+    # extract each window as soon as its answers are in, so the slower of the two sets the extraction side's pace.
+    ext_s = out["extract_side_seconds"] = max(regen_s, extract_s) if served else regen_s + extract_s
+    if overlapped:  # split roles stream: the slower side sets the pace
+        out["total_seconds"] = max(ext_s, train_s)
+    elif served:  # one process alternates extraction and training while the servers answer beside it
+        out["total_seconds"] = max(regen_s, extract_s + train_s)
+    else:  # one process alternates, so the phases add up
+        out["total_seconds"] = ext_s + train_s
     return out
 
 
@@ -572,8 +698,9 @@ def checkpoint_plan(cfg: Config, time_plan: dict[str, Any], volume: dict[str, An
     budget, stored = int(cfg.store.budget), volume["stored_bytes_per_token"]
     train_tok_s = phases["train"]["tok_s_per_process"] * phases["train"]["processes"]
     freed_bytes_s = train_tok_s * stored / cfg.store.reuse  # a segment is finished after its last use
-    # Regeneration runs on the extractors too: states arrive at the pace of both.
-    extract_s = (time_plan["regenerate_seconds"] or 0.0) + phases["extract"]["seconds"]
+    # States arrive at the extraction side's pace: regeneration then extraction on the extractors (engine hf), or
+    # the slower of the servers and the extractors (engine openai).
+    extract_s = time_plan["extract_side_seconds"]
     written_bytes_s = tokens * cfg.extraction_passes * stored / extract_s
     if written_bytes_s >= freed_bytes_s:
         forced, why = HOLDING_SHARE * budget / freed_bytes_s, "training is the slower side"
@@ -672,10 +799,16 @@ def render_plan(plan: dict[str, Any]) -> str:
     out += ["", *_render_roles(plan["launch"], plan["roles"])]
     mode = "extractors and trainers side by side" if tp["overlapped"] else "one process alternates"
     out += ["", f"time  ({tp['processes']} process(es), {mode})"]
+    out.append(f"  {_fmt_gpus(tp['gpus'], tp['regenerate'])}")
     out += [f"  kernels: {k}" for k in plan.get("kernels", [])]
     data = tp["phases"]["data"]
-    if tp["regenerate"]:
-        r = tp["regenerate"]
+    r = tp["regenerate"]
+    if r and r["engine"] == "openai":
+        out.append(f"  {'data':<8}{fmt_duration(data.get('seconds')):>10}  regeneration on {r['endpoints']} "
+                   f"endpoint(s) beside the launch, overlapped with extraction: {r['response_tokens']:,.0f} tokens "
+                   f"per answer at {r['tokens_per_s']:,.0f} tok/s x {r['endpoints']}  [{r['tokens_per_s_source']}]")
+        out += [f"  {'':<18}assumed: {a}" for a in r["assumptions"]]
+    elif r:
         out.append(f"  {'data':<8}{fmt_duration(data.get('seconds')):>10}  regeneration on the extractors, "
                    f"{r['seconds_per_sample']:.3g} s per sample on one process ({r['step_seconds'] * 1e3:.1f} ms per "
                    f"decode step of {r['batch_size']} rows)")
@@ -721,6 +854,14 @@ def render_disk(disk: dict[str, Any]) -> list[str]:
         out.append(f"  {mount}: needs {fmt_bytes(fs['need_bytes'])} ({', '.join(fs['parts'])}), "
                    f"{fmt_bytes(fs['free_bytes'])} free{own}: {verdict}")
     return out
+
+
+def _fmt_gpus(gpus: dict[str, int], regen: dict[str, Any] | None) -> str:
+    """'GPUs: 4 in the launch + 4 serving (4 endpoints x 1) = 8'."""
+    if not gpus["total"]:
+        return "GPUs: none (target.device cpu)"
+    served = f" ({regen['endpoints']} endpoints x {regen['gpus_per_endpoint']})" if gpus["serving"] else ""
+    return f"GPUs: {gpus['launch']} in the launch + {gpus['serving']} serving{served} = {gpus['total']}"
 
 
 def _render_roles(launch: dict[str, Any], roles: dict[str, Any]) -> list[str]:

@@ -54,6 +54,7 @@ def role_figures(parts: list[dict[str, Any]], expected: list[str]) -> dict[str, 
     extractors = [p for p in parts if p["role"] in EXTRACTING]
     trainers = [p for p in parts if p["role"] in TRAINING]
     lead = next((p for p in trainers if p["index"] == 0), {})
+    regenerated = regeneration_figures(extractors)
     return {
         "samples_trained": sum(p.get("samples_trained", 0) for p in trainers),
         "steps": lead.get("steps", 0),
@@ -70,8 +71,21 @@ def role_figures(parts: list[dict[str, Any]], expected: list[str]) -> dict[str, 
         "final_loss": lead.get("final_loss"),
         "checkpoint": lead.get("export"),
         "eval": lead.get("eval"),
+        **({"regenerate": regenerated} if regenerated else {}),
         "missing_parts": missing_parts(parts, expected),
     }
+
+
+def regeneration_figures(extractors: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """engine openai: the servers' answers over every extractor's shard (None with in-process generation)."""
+    parts = [p["regenerate"] for p in extractors if p.get("regenerate")]
+    if not parts:
+        return None
+    total = {key: sum(p.get(key, 0) for p in parts)
+             for key in ("asked", "answers", "tokens", "truncated", "errors", "from_text", "retokenize_differs")}
+    total["seconds"] = round(max(p.get("seconds", 0.0) for p in parts), 2)
+    total["tokens_per_s"] = round(total["tokens"] / max(total["seconds"], 1e-9), 1)
+    return total
 
 
 def complete_from_parts(summary: dict[str, Any], files: list[Path], since: float | None) -> dict[str, Any]:

@@ -42,7 +42,7 @@ def _samples(cfg: Config, tokenizer, model, count: int) -> list[PreparedSample]:
         samples, _ = prepare_shard(cfg.model_copy(update={"data": data, "output_dir": scratch}), tokenizer, 0, 1)
     samples = samples[:count]
     if cfg.data.regenerate:
-        from dflash_stream.target_model.regenerate import generate_responses
+        from dflash_stream.target_model.generate import generate_responses
 
         gen = cfg.data.generation
         responses = generate_responses(model, tokenizer, [s.input_ids for s in samples], gen, gen.max_new_tokens)

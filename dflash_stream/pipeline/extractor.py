@@ -10,6 +10,7 @@ which keeps padding low while every window still covers the whole range of lengt
 from __future__ import annotations
 
 import argparse
+import math
 import queue
 import threading
 import time
@@ -36,11 +37,19 @@ from dflash_stream.pipeline.guard import hold_output, stop_with_launcher
 from dflash_stream.pipeline.packing import SegmentPacker
 from dflash_stream.pipeline.roles import RoleInfo, assign_uniform
 from dflash_stream.preflight import check_run_paths
+from dflash_stream.regenerate.cache import ResponseCache
+from dflash_stream.regenerate.phase import ServerRegenerator, summary_lines
 from dflash_stream.store import Sample, Store, lease, sizes
-from dflash_stream.target_model import load_target, model_shape, resolve_device, resolve_layer_ids
+from dflash_stream.target_model import (
+    load_target,
+    model_shape,
+    resolve_device,
+    resolve_layer_ids,
+    stop_token_ids,
+)
 from dflash_stream.target_model.capture import LayerCapture
+from dflash_stream.target_model.generate import generate_responses
 from dflash_stream.target_model.host_copy import HostCopier
-from dflash_stream.target_model.regenerate import ResponseCache, generate_responses
 
 log = get_logger(__name__)
 
@@ -150,6 +159,12 @@ class Extractor:
         self._host = HostCopier(device)
         self.samples, self.report = prepare_shard(cfg, self.tokenizer, role.index, role.count)
         self.cache = ResponseCache(cfg.output_dir, data_spec_digest(cfg), role.index) if cfg.data.regenerate else None
+        self._server: ServerRegenerator | None = None
+        if self.cache is not None and cfg.data.generation.engine == "openai":
+            # The extractors share data.generation.concurrency: each keeps its part of it in flight.
+            self._server = ServerRegenerator(cfg, self.tokenizer, self.cache,
+                                             stop_token_ids(self.model, self.tokenizer),
+                                             concurrency=math.ceil(cfg.data.generation.concurrency / role.count))
         self._dropped: dict[int, tuple[str, str]] = {}
         width = len(self.layer_ids) * shape.hidden_size
         self.bytes_per_token = sizes.raw_bytes_per_token(width)
@@ -182,6 +197,8 @@ class Extractor:
         if self._done:
             return True
         if self._bar is None:
+            if self._server is not None:  # the servers answer ahead while the windows are extracted
+                self._server.start(self.samples)
             self._bar = progress(total=self.samples_total, unit="sample", desc="extract")
         self._run_started = time.perf_counter()
         try:
@@ -199,6 +216,10 @@ class Extractor:
         self._bar.close()
         if self._regen_bar is not None:
             self._regen_bar.close()
+        if self._server is not None:
+            self._server.close()
+            for line in summary_lines(self._server.summary()):
+                log.info(line)
         self._done = True
         return True
 
@@ -249,6 +270,7 @@ class Extractor:
             "backpressure_seconds": round(self.backpressure_seconds, 2),
             "batch_tokens": self.batch_tokens,
             "data": {k: v for k, v in self.report.to_dict().items() if k != "sample_ids"},
+            **({"regenerate": self._server.summary()} if self._server is not None else {}),
         }
 
     # -- forward loop ---------------------------------------------------------------------------------------
@@ -346,7 +368,7 @@ class Extractor:
         regenerating = self.cache is not None
         expected_response = self.cfg.data.generation.max_new_tokens if regenerating else 0
         # A window also holds at least one full generation batch, or `generate` would run under-filled.
-        min_samples = self.cfg.data.generation.batch_size if regenerating else 1
+        min_samples = self.cfg.data.generation.batch_size if regenerating and self._server is None else 1
         window, size = [], 0
         for sample in samples:
             window.append(sample)
@@ -361,6 +383,9 @@ class Extractor:
         """Prompts completed with the target's own (cached or newly generated) responses; short ones dropped."""
         gen, max_length = self.cfg.data.generation, self.cfg.data.max_length
         missing = sorted((s for s in prompts if self.cache.get(s.sample_id) is None), key=lambda s: s.num_tokens)
+        if self._server is not None:
+            self._server.wait([s.sample_id for s in missing])
+            missing = []
         if missing and self._regen_bar is None:
             # Its own bar: generating is usually slower than the forward pass that captures the states.
             todo = sum(1 for s in self.samples if self.cache.get(s.sample_id) is None)
@@ -378,7 +403,13 @@ class Extractor:
             self._regen_bar.update(len(chunk))
         complete = []
         for prompt in prompts:
-            sample = prompt.with_response(self.cache.get(prompt.sample_id), max_length)
+            response = self.cache.get(prompt.sample_id)
+            if response is None:  # the servers gave no answer (an error; a rerun asks again)
+                self._dropped[prompt.sample_id] = ("no_answer", prompt.origin)
+                self._dropped_uses += 1
+                self._advance(1)
+                continue
+            sample = prompt.with_response(response, max_length)
             if int(sample.loss_mask.sum()) < self.cfg.min_supervised_tokens:
                 self._dropped[sample.sample_id] = ("short_response", sample.origin)
                 self._dropped_uses += 1

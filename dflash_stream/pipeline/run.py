@@ -187,11 +187,13 @@ def _trainer_fields(trainer) -> dict[str, Any]:
 
 
 def _extractor_fields(extractor) -> dict[str, Any]:
+    regenerated = extractor.summary().get("regenerate")  # engine openai: the servers' answers for this shard
     return {
         "extract_seconds": extractor.extract_seconds,
         # Writes held back by the full buffer, and how much of that reached the target's forward loop.
         "backpressure_seconds": extractor.writer.waited_seconds,
         "stall_seconds": extractor.backpressure_seconds,
+        **({"regenerate": regenerated} if regenerated else {}),
     }
 
 

