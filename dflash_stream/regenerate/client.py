@@ -140,21 +140,22 @@ class CompletionClient:
         timeout = httpx.Timeout(self.gen.timeout_s, connect=CONNECT_TIMEOUT_S)
         limits = httpx.Limits(max_connections=self.concurrency * len(self.endpoints) + len(self.endpoints),
                               max_keepalive_connections=self.concurrency * len(self.endpoints))
+        fatal: list[BaseException] = []
+        stop = asyncio.Event()  # set with the first fatal error: every worker ends
         async with httpx.AsyncClient(timeout=timeout, limits=limits, headers=self.headers) as http:
             await asyncio.gather(*(self._first_contact(http, ep) for ep in self.endpoints))
-            fatal: list[BaseException] = []
-            workers = [asyncio.create_task(self._worker(http, ep, queue, on_answer, fatal))
+            workers = [asyncio.create_task(self._worker(http, ep, queue, on_answer, fatal, stop))
                        for ep in self.endpoints for _ in range(self.concurrency)]
-            finished = asyncio.create_task(queue.join())
-            watchdog = asyncio.create_task(self._watchdog(fatal))
+            waits = [asyncio.create_task(queue.join()), asyncio.create_task(stop.wait()),
+                     asyncio.create_task(self._watchdog(fatal, stop))]
             try:
-                await asyncio.wait([finished, watchdog], return_when=asyncio.FIRST_COMPLETED)
+                await asyncio.wait(waits[:2], return_when=asyncio.FIRST_COMPLETED)
             finally:
-                for task in [*workers, finished, watchdog]:
+                for task in workers + waits:
                     task.cancel()
-                await asyncio.gather(*workers, finished, watchdog, return_exceptions=True)
-            if fatal:
-                raise fatal[0]
+                await asyncio.gather(*workers, *waits, return_exceptions=True)
+        if fatal:
+            raise fatal[0]
 
     async def _first_contact(self, http: httpx.AsyncClient, ep: Endpoint) -> None:
         """Learn each endpoint's model before the work starts; one that cannot be reached starts out of rotation
@@ -187,7 +188,7 @@ class CompletionClient:
             raise ConfigError(f"data.generation.model: {ep.url}/models lists no model "
                               f"(HTTP {response.status_code}); name the served model")
 
-    async def _watchdog(self, fatal: list[BaseException]) -> None:
+    async def _watchdog(self, fatal: list[BaseException], stop: asyncio.Event) -> None:
         while True:
             await asyncio.sleep(1.0)
             downs = [ep.down_since for ep in self.endpoints if not ep.up]
@@ -196,48 +197,55 @@ class CompletionClient:
                     f"no endpoint answered for {self.gen.give_up_s:.0f} s (data.generation.give_up_s): "
                     f"{', '.join(ep.url for ep in self.endpoints)}; start the servers and run again: what is "
                     "answered is kept"))
+                stop.set()
                 return
 
     async def _worker(self, http: httpx.AsyncClient, ep: Endpoint, queue: asyncio.Queue[_Job],
-                      on_answer: Callable[[Answer], None], fatal: list[BaseException]) -> None:
-        while True:
-            probe = await self._turn(ep)
-            job = await queue.get()
-            try:
-                answer = await self._ask(http, ep, job.prompt)
-            except _Unreachable as err:
-                self._mark_down(ep, str(err))
-                queue.put_nowait(job)  # not the request's fault: it keeps its tries
-            except _Failed as err:
-                job.attempts += 1
-                ep.failures_in_row += 1
-                if ep.failures_in_row >= FAILURES_TO_PAUSE or probe:
-                    self._mark_down(ep, f"{ep.failures_in_row} failed answers in a row, the last: {err}")
-                if job.attempts > self.gen.retries:
-                    ep.errors += 1
-                    log.warning("sample %d: no answer after %d tries (data.generation.retries %d), the last from %s: "
-                                "%s", job.prompt.key, job.attempts, self.gen.retries, ep.url, err)
-                    on_answer(Answer(job.prompt.key, None, "error", ep.url, error=str(err)))
-                else:
-                    queue.put_nowait(job)
-            except _Rejected as err:
+                      on_answer: Callable[[Answer], None], fatal: list[BaseException], stop: asyncio.Event) -> None:
+        try:
+            while True:
+                await self._one_job(http, ep, queue, on_answer)
+        except asyncio.CancelledError:
+            raise
+        except Exception as err:  # a server that cannot do the work, or the cache cannot be written: all stop
+            fatal.append(err)
+            stop.set()
+
+    async def _one_job(self, http: httpx.AsyncClient, ep: Endpoint, queue: asyncio.Queue[_Job],
+                       on_answer: Callable[[Answer], None]) -> None:
+        probe = await self._turn(ep)
+        job = await queue.get()
+        try:
+            answer = await self._ask(http, ep, job.prompt)
+        except _Unreachable as err:
+            self._mark_down(ep, str(err), probe)
+            queue.put_nowait(job)  # not the request's fault: it keeps its tries
+        except _Failed as err:
+            job.attempts += 1
+            ep.failures_in_row += 1
+            if ep.failures_in_row >= FAILURES_TO_PAUSE or probe:
+                self._mark_down(ep, f"{ep.failures_in_row} failed answers in a row, the last: {err}", probe)
+            if job.attempts > self.gen.retries:
                 ep.errors += 1
-                self._back_up(ep)
-                log.warning("sample %d: %s refused the request: %s", job.prompt.key, ep.url, err)
+                log.warning("sample %d: no answer after %d tries (data.generation.retries %d), the last from %s: %s",
+                            job.prompt.key, job.attempts, self.gen.retries, ep.url, err)
                 on_answer(Answer(job.prompt.key, None, "error", ep.url, error=str(err)))
-            except RegenerationError as err:
-                fatal.append(err)
-                queue.task_done()
-                return
             else:
-                self._back_up(ep)
-                ep.answers += 1
-                ep.tokens += len(answer.tokens or [])
-                on_answer(answer)
-            finally:
-                if probe:
-                    ep.probing = False
-            queue.task_done()
+                queue.put_nowait(job)
+        except _Rejected as err:
+            ep.errors += 1
+            self._back_up(ep)
+            log.warning("sample %d: %s refused the request: %s", job.prompt.key, ep.url, err)
+            on_answer(Answer(job.prompt.key, None, "error", ep.url, error=str(err)))
+        else:
+            self._back_up(ep)
+            ep.answers += 1
+            ep.tokens += len(answer.tokens or [])
+            on_answer(answer)
+        finally:
+            if probe:
+                ep.probing = False
+        queue.task_done()
 
     async def _turn(self, ep: Endpoint) -> bool:
         """Wait until this worker may send to `ep`: at once while it is up; while it is down, one worker tries it
@@ -251,15 +259,19 @@ class CompletionClient:
                 return True
             await asyncio.sleep(min(1.0, max(0.05, ep.retry_at - now)))
 
-    def _mark_down(self, ep: Endpoint, reason: str) -> None:
+    def _mark_down(self, ep: Endpoint, reason: str, probe: bool = False) -> None:
+        """Out of rotation; a failed probe doubles the pause (the other requests in flight when it went down
+        fail too, and change nothing)."""
         now = time.monotonic()
         if ep.up:
             ep.up, ep.down_since, ep.pause = False, now, FIRST_PAUSE_S
             ep.outages += 1
             log.warning("endpoint %s out of rotation (%s); trying it again from time to time, the others go on",
                         ep.url, reason)
-        else:
+        elif probe:
             ep.pause = min(ep.pause * 2, LONGEST_PAUSE_S)
+        else:
+            return
         ep.retry_at = now + ep.pause
 
     def _back_up(self, ep: Endpoint) -> None:
