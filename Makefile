@@ -3,7 +3,7 @@ PY ?= python3.11
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup demo test lint gpu-kit gpu-check
+.PHONY: setup demo test lint gpu-kit gpu-check vllm-env
 
 $(BIN)/dflash-stream: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -37,3 +37,8 @@ gpu-kit: setup
 # `pytest -m gpu`, `dflash-stream bench gpu --json`; everything to $$OUT (or out/gpu-check).
 gpu-check:
 	scripts/gpu-check
+
+# vLLM's CPU build in its own environment, .venv-vllm (it pins an older transformers): for `dflash-stream bench
+# regenerate` and the vLLM test. Does nothing when it is already there.
+vllm-env:
+	PY=$(PY) scripts/vllm-env

@@ -26,6 +26,16 @@ class ServerError(DFlashError):
     """A local server did not start."""
 
 
+def vllm_python() -> Path:
+    """The vLLM environment's python: .venv-vllm in the current folder, else beside the project's sources (an
+    editable install run from elsewhere)."""
+    import dflash_stream
+
+    here = Path(VLLM_VENV) / "bin" / "python"
+    beside = Path(dflash_stream.__file__).resolve().parents[1] / VLLM_VENV / "bin" / "python"
+    return here if here.exists() or not beside.exists() else beside
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -43,7 +53,7 @@ class LocalServer:
             raise ValueError(f"server kind {kind!r}; allowed: transformers, vllm")
         self.kind, self.model, self.log_path = kind, str(model), Path(log_path)
         self.port = port or free_port()
-        self.python = str(python or (Path(VLLM_VENV) / "bin" / "python" if kind == "vllm" else sys.executable))
+        self.python = str(python or (vllm_python() if kind == "vllm" else sys.executable))
         self.extra_args = tuple(extra_args)
         # On a CPU both engines size their KV cache from host memory, which two servers beside the tests would
         # exhaust: a fixed size instead (vLLM in GiB, transformers in tokens).
