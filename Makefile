@@ -3,7 +3,7 @@ PY ?= python3.11
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup demo test lint gpu-kit gpu-check vllm-env
+.PHONY: setup demo demo-served test lint gpu-kit gpu-check vllm-env
 
 $(BIN)/dflash-stream: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -21,6 +21,11 @@ setup: $(BIN)/dflash-stream
 demo: setup
 	rm -rf runs/demo
 	$(BIN)/accelerate launch --config_file launch/cpu-2proc.yaml -m dflash_stream run --config configs/demo.yaml
+
+# The demo with the answers written by a local server (vLLM's CPU build after `make vllm-env`, else transformers
+# serve): data.generation.engine openai, as a GPU job would use vLLM or SGLang servers. Into runs/demo-served.
+demo-served: setup
+	$(BIN)/python scripts/demo_served.py
 
 test: setup
 	$(BIN)/python -m pytest -q

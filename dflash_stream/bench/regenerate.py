@@ -36,7 +36,6 @@ import json
 import math
 import os
 import re
-import shutil
 import sys
 import time
 from collections.abc import Sequence
@@ -51,8 +50,6 @@ if TYPE_CHECKING:
 
 ENGINES = ("hf", "vllm", "transformers")
 VLLM_ENV_COMMAND = "make vllm-env"
-CONVERTED_STAMP = "converted-from.json"
-"""Beside a converted GGUF target: which file it came from, so a changed file is converted again."""
 BATCH_TOKENS = 2048
 """Tokens one server step may take (prefill chunks and decodes together): vLLM's CPU default for its API server,
 given to both servers so neither schedules bigger steps than the other."""
@@ -131,6 +128,7 @@ def run_bench(cfg: Config, options: BenchOptions) -> dict[str, Any]:
     """Every engine of `options` on the same prompts; the figures as `--json` prints them."""
     import torch
 
+    from dflash_stream.regenerate.servers import safetensors_copy
     from dflash_stream.target_model.loading import load_tokenizer
 
     if not cfg.data.regenerate:
@@ -147,7 +145,7 @@ def run_bench(cfg: Config, options: BenchOptions) -> dict[str, Any]:
         engines["hf"], hf_answers, model = run_hf(cfg, samples, options)
     servers = [e for e in options.engines if e != "hf"]
     if servers:
-        model_dir = served_model_dir(cfg, tokenizer, options.workdir, model)
+        model_dir = safetensors_copy(cfg.target, tokenizer, options.workdir, model)
         del model  # the servers get the memory and the cores
         gc.collect()
         for kind in servers:
@@ -204,47 +202,6 @@ def run_hf(cfg: Config, samples: list[PreparedSample], options: BenchOptions
 
 
 # -- the servers ------------------------------------------------------------------------------------------------
-
-
-def served_model_dir(cfg: Config, tokenizer, workdir: Path, model=None) -> Path:
-    """A folder of safetensors the servers can load: the target's own folder, or a GGUF target converted once into
-    `workdir` (dequantized, in the dtype hf runs it in) and reused while the GGUF file is unchanged."""
-    from dflash_stream.target_model.loading import model_location
-
-    location, _ = model_location(cfg.target)
-    if not cfg.target.gguf_file:
-        return Path(location)
-    source = Path(location) / cfg.target.gguf_file
-    stamp = {"gguf": str(source.resolve()), "bytes": source.stat().st_size, "mtime_ns": source.stat().st_mtime_ns,
-             "dtype": cfg.target.dtype}
-    out = (workdir / f"{source.stem}-safetensors").resolve()
-    try:
-        if json.loads((out / CONVERTED_STAMP).read_text()) == stamp:
-            say(f"servers load {out} (the GGUF target {source.name}, converted to safetensors before)")
-            return out
-    except (OSError, ValueError):
-        pass
-    say(f"converting the GGUF target {source.name} to safetensors in {out}: vLLM and transformers serve load "
-        "folders of safetensors")
-    if model is None:
-        import torch
-
-        from dflash_stream.target_model.loading import load_target
-
-        model, _ = load_target(cfg.target, torch.device("cpu"))
-    # transformers refuses to save a model it loaded from GGUF ("not serializable") although its weights are
-    # already dequantized tensors: without the quantizer's mark they save as plain ones.
-    model.hf_quantizer = None
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    partial = out.with_name(out.name + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)
-    model.save_pretrained(partial, safe_serialization=True)
-    tokenizer.save_pretrained(partial)
-    (partial / CONVERTED_STAMP).write_text(json.dumps(stamp, indent=2) + "\n")
-    shutil.rmtree(out, ignore_errors=True)
-    partial.rename(out)  # a conversion cut short is never taken for a finished one
-    return out
 
 
 def vllm_env(bind: str, threads: int) -> tuple[dict[str, str], str]:

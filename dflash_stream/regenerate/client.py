@@ -17,7 +17,7 @@ import asyncio
 import os
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -97,7 +97,6 @@ class Endpoint:
     tokens: int = 0
     errors: int = 0
     outages: int = 0
-    busy_seconds: float = field(default=0.0, repr=False)
 
     def stats(self) -> dict[str, Any]:
         return {"answers": self.answers, "tokens": self.tokens, "errors": self.errors, "outages": self.outages,

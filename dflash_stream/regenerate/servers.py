@@ -4,7 +4,9 @@ user (`docs/regenerate.md`)."""
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -14,10 +16,16 @@ from pathlib import Path
 
 import httpx
 
+from dflash_stream.config import TargetConfig
 from dflash_stream.errors import DFlashError
+from dflash_stream.log import get_logger
+
+log = get_logger(__name__)
 
 KV_BLOCK = 32
 """Tokens per KV cache block of `transformers serve`'s continuous batching."""
+CONVERTED_STAMP = "converted-from.json"
+"""Beside a converted GGUF target: which file it came from, so a changed file is converted again."""
 VLLM_VENV = ".venv-vllm"
 """Where `make vllm-env` puts vLLM's CPU build: its own environment, as it pins an older transformers."""
 
@@ -34,6 +42,48 @@ def vllm_python() -> Path:
     here = Path(VLLM_VENV) / "bin" / "python"
     beside = Path(dflash_stream.__file__).resolve().parents[1] / VLLM_VENV / "bin" / "python"
     return here if here.exists() or not beside.exists() else beside
+
+
+def safetensors_copy(target: TargetConfig, tokenizer, workdir: Path, model=None) -> Path:
+    """A folder of safetensors a server can load: the target's own folder, or a GGUF target converted once into
+    `workdir` (dequantized, in the dtype the extractors run it in) and reused while the GGUF file is unchanged.
+    `model`: the target already loaded, to spare loading it again."""
+    from dflash_stream.target_model.loading import model_location
+
+    location, _ = model_location(target)
+    if not target.gguf_file:
+        return Path(location)
+    source = Path(location) / target.gguf_file
+    stamp = {"gguf": str(source.resolve()), "bytes": source.stat().st_size, "mtime_ns": source.stat().st_mtime_ns,
+             "dtype": target.dtype}
+    out = (workdir / f"{source.stem}-safetensors").resolve()
+    try:
+        if json.loads((out / CONVERTED_STAMP).read_text()) == stamp:
+            log.info("servers load %s (the GGUF target %s, converted to safetensors before)", out, source.name)
+            return out
+    except (OSError, ValueError):
+        pass
+    log.info("converting the GGUF target %s to safetensors in %s: vLLM and transformers serve load folders of "
+             "safetensors", source.name, out)
+    if model is None:
+        import torch
+
+        from dflash_stream.target_model.loading import load_target
+
+        model, _ = load_target(target, torch.device("cpu"))
+    # transformers refuses to save a model it loaded from GGUF ("not serializable") although its weights are
+    # already dequantized tensors: without the quantizer's mark they save as plain ones.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    partial = out.with_name(out.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    model.save_pretrained(partial, safe_serialization=True)
+    tokenizer.save_pretrained(partial)
+    (partial / CONVERTED_STAMP).write_text(json.dumps(stamp, indent=2) + "\n")
+    shutil.rmtree(out, ignore_errors=True)
+    partial.rename(out)  # a conversion cut short is never taken for a finished one
+    return out
 
 
 def free_port() -> int:
