@@ -97,3 +97,24 @@ def test_vllm_answers_as_hf_does_on_the_demo_target(tmp_path):
     assert entry["omp_threads"] >= 1 and entry["cores"] >= 1
     # Greedy float32 on both sides: a handful of short answers come out the same.
     assert entry["agree_with_hf"] >= 3
+
+
+@pytest.mark.slow
+def test_a_running_server_is_measured_as_it_is(tiny_target_dir, tmp_path, capsys):
+    """`--endpoint URL` times a server the bench did not start (a user's), the figure plan's
+    data.generation.tokens_per_s takes; without local engines (`--engines ''`) nothing else runs."""
+    from dflash_stream.regenerate.servers import LocalServer
+
+    config = tmp_path / "bench.yaml"
+    config.write_text(yaml.safe_dump(tiny_config(tiny_target_dir, tmp_path)))
+    with LocalServer("transformers", tiny_target_dir, tmp_path / "server.log") as server:
+        server.start().wait_ready(240)
+        code = main(["bench", "regenerate", "--config", str(config), "--engines", "", "--endpoint",
+                     server.url, "--prompts", "3", "--max-new-tokens", "5", "--json"])
+    assert code == 0
+    result = json.loads(capsys.readouterr().out)
+    assert set(result["engines"]) == {server.url}
+    entry = result["engines"][server.url]
+    assert entry["responses"] == 3 and entry["tokens_per_s"] > 0 and entry["agree_with_hf"] is None
+    assert entry["cores"] is None and entry["model"] == str(tiny_target_dir)
+    assert server.url in "\n".join(table(result))

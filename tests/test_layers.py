@@ -20,6 +20,7 @@ LAYERS = [
     {"__init__", "config", "diskfull", "errors", "log", "preflight", "rundir"},  # the base every part may use
     {"data"},
     {"target_model"},
+    {"regenerate"},  # the target's answers to the data's prompts, from servers, into the response cache
     {"store"},
     {"drafter"},
     {"observe"},  # metrics every role writes; plan, tune, status and report read the parts below

@@ -62,6 +62,8 @@ class BenchOptions:
     prompts: int = 64
     max_new_tokens: int = 64
     engines: Sequence[str] = ENGINES
+    endpoints: Sequence[str] = ()
+    """Servers already running, measured as they are (named by URL in the result)."""
     concurrency: int | None = None
     """Requests in flight per server; default: all the prompts."""
     batch_size: int | None = None
@@ -85,6 +87,10 @@ def register_bench(sub: argparse._SubParsersAction) -> None:
     bench.add_argument("--max-new-tokens", type=int, default=64, help="answer budget per prompt (default 64)")
     bench.add_argument("--engines", default=",".join(ENGINES),
                        help=f"comma-separated, of {', '.join(ENGINES)} (default all)")
+    bench.add_argument("--endpoint", action="append", default=[], metavar="URL",
+                       help="also measure a server already running (yours: e.g. http://node0:8000/v1), with the "
+                            "config's data.generation.model and api_key_env; its tok/s is what "
+                            "data.generation.tokens_per_s takes. Repeatable; with --engines '' only these")
     bench.add_argument("--concurrency", type=int, default=None,
                        help="requests in flight per server (default: all the prompts at once)")
     bench.add_argument("--batch-size", type=int, default=None,
@@ -106,15 +112,22 @@ def say(message: str) -> None:
 
 
 def bench_regenerate(args: argparse.Namespace) -> int:
+    from dflash_stream.config import endpoint_base_url
+
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     unknown = [e for e in engines if e not in ENGINES]
-    if unknown or not engines:
+    if unknown or not (engines or args.endpoint):
         raise ConfigError(f"--engines: {', '.join(unknown) or '(none)'}; allowed: {', '.join(ENGINES)}")
+    try:
+        endpoints = [endpoint_base_url(url) for url in args.endpoint]
+    except ValueError as err:
+        raise ConfigError(f"--endpoint: {err}") from None
     for name in ("prompts", "max_new_tokens", "concurrency", "batch_size", "threads"):
         value = getattr(args, name)
         if value is not None and value < 1:
             raise ConfigError(f"--{name.replace('_', '-')}: {value}; it must be at least 1")
     options = BenchOptions(prompts=args.prompts, max_new_tokens=args.max_new_tokens, engines=engines,
+                           endpoints=endpoints,
                            concurrency=args.concurrency, batch_size=args.batch_size, vllm_bind=args.vllm_bind,
                            workdir=Path(args.workdir), startup_timeout_s=args.startup_timeout)
     if args.threads:
@@ -150,6 +163,8 @@ def run_bench(cfg: Config, options: BenchOptions) -> dict[str, Any]:
         gc.collect()
         for kind in servers:
             engines[kind] = run_server(kind, cfg, tokenizer, model_dir, samples, options, hf_answers)
+    for url in options.endpoints:
+        engines[url] = run_endpoint(url, cfg, tokenizer, samples, options, hf_answers)
     return {"prompts": len(samples), "max_new_tokens": options.max_new_tokens, "engines": engines}
 
 
@@ -302,6 +317,28 @@ def run_server(kind: str, cfg: Config, tokenizer, model_dir: Path, samples: list
     return entry
 
 
+def run_endpoint(url: str, cfg: Config, tokenizer, samples: list[PreparedSample], options: BenchOptions,
+                 hf_answers: dict[int, list[int]] | None) -> dict[str, Any]:
+    """A server already running (its cores unknown here): the same prompts after one untimed warm-up request."""
+    client = _client(cfg, tokenizer, url, options.concurrency or len(samples), as_configured=True)
+    _ask(client, samples[:1], 2)
+    say(f"{url}: generating")
+    started = time.perf_counter()
+    answers = _ask(client, samples, options.max_new_tokens)
+    seconds = time.perf_counter() - started
+    good = {a.key: a.tokens for a in answers if a.tokens is not None}
+    tokens = sum(len(t) for t in good.values())
+    agree = None if hf_answers is None else sum(good.get(k) == v for k, v in hf_answers.items())
+    entry = _figures(tokens, seconds, len(good), agree, cores=None)
+    entry.update(model=client.endpoints[0].model, from_text=sum(a.from_text for a in answers),
+                 retokenize_differs=sum(a.retokenize_differs for a in answers),
+                 errors=sum(a.tokens is None for a in answers),
+                 truncated=sum(a.finish == "length" for a in answers), concurrency=client.concurrency)
+    say(f"{url}: {tokens:,} tokens in {seconds:.1f} s ({entry['tokens_per_s']:,.1f} tok/s): set "
+        f"data.generation.tokens_per_s to it for `plan` (at concurrency {client.concurrency})")
+    return entry
+
+
 def _cpu():
     import torch
 
@@ -318,13 +355,15 @@ def _kv_cache_gib(cfg: Config, tokens: int) -> int:
     return max(1, math.ceil(tokens * per_token / 2**30))
 
 
-def _client(cfg: Config, tokenizer, url: str, concurrency: int):
+def _client(cfg: Config, tokenizer, url: str, concurrency: int, as_configured: bool = False):
     from dflash_stream.config import GenerationConfig
     from dflash_stream.regenerate.client import CompletionClient
     from dflash_stream.target_model.loading import target_stop_ids
 
+    # A local server serves the converted folder under its path; the user's, the name and key of the config.
+    own = {} if as_configured else {"model": None, "api_key_env": None}
     gen = GenerationConfig(**{**cfg.data.generation.model_dump(), "engine": "openai", "endpoints": [url],
-                              "temperature": 0.0, "model": None, "api_key_env": None})
+                              "temperature": 0.0, **own})
     return CompletionClient(gen, tokenizer, target_stop_ids(cfg.target, tokenizer), concurrency)
 
 
@@ -339,10 +378,12 @@ def _ask(client, samples: list[PreparedSample], max_tokens: int) -> list:
 # -- output ---------------------------------------------------------------------------------------------------
 
 
-def _figures(tokens: int, seconds: float, responses: int, agree: int | None, cores: int) -> dict[str, Any]:
+def _figures(tokens: int, seconds: float, responses: int, agree: int | None, cores: int | None
+             ) -> dict[str, Any]:
     rate = tokens / max(seconds, 1e-9)
     return {"tokens_per_s": round(rate, 1), "seconds": round(seconds, 2), "responses": responses,
-            "agree_with_hf": agree, "tokens": tokens, "cores": cores, "tokens_per_s_per_core": round(rate / cores, 1)}
+            "agree_with_hf": agree, "tokens": tokens, "cores": cores,
+            "tokens_per_s_per_core": round(rate / cores, 1) if cores else None}
 
 
 def table(result: dict[str, Any]) -> list[str]:
@@ -358,6 +399,7 @@ def table(result: dict[str, Any]) -> list[str]:
             lines.append(f"{name:<13}{'-':>9}  " + why + (f"; make it with `{e['command']}`" if "command" in e else ""))
             continue
         agree = "-" if e["agree_with_hf"] is None else f"{e['agree_with_hf']}/{e['responses']}"
+        per_core = "-" if e["tokens_per_s_per_core"] is None else f"{e['tokens_per_s_per_core']:,.1f}"
         speed = f"{e['tokens_per_s'] / base:.2f}" if base else "-"
         notes = []
         if "startup_seconds" in e:
@@ -372,5 +414,5 @@ def table(result: dict[str, Any]) -> list[str]:
         if e.get("errors"):
             notes.append(f"{e['errors']} errors")
         lines.append(f"{name:<13}{e['tokens_per_s']:>9,.1f}{e['seconds']:>9.1f}{e['responses']:>11}{agree:>13}"
-                     f"{speed:>7}{e['cores']:>7}{e['tokens_per_s_per_core']:>12,.1f}  {'; '.join(notes)}")
+                     f"{speed:>7}{e['cores'] or '-':>7}{per_core:>12}  {'; '.join(notes)}")
     return lines
