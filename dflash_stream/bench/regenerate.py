@@ -303,17 +303,10 @@ def run_server(kind: str, cfg: Config, tokenizer, model_dir: Path, samples: list
             cores = options.threads
     else:
         cores = options.threads
-    good = {a.key: a.tokens for a in answers if a.tokens is not None}
-    tokens = sum(len(t) for t in good.values())
-    agree = None if hf_answers is None else sum(good.get(k) == v for k, v in hf_answers.items())
-    entry = _figures(tokens, seconds, len(good), agree, cores=cores)
-    entry.update(startup_seconds=round(startup, 1), **extra, dtype=dtype,
-                 from_text=sum(a.from_text for a in answers),
-                 retokenize_differs=sum(a.retokenize_differs for a in answers),
-                 errors=sum(a.tokens is None for a in answers),
-                 truncated=sum(a.finish == "length" for a in answers), concurrency=client.concurrency)
-    say(f"{kind}: {tokens:,} tokens in {seconds:.1f} s ({entry['tokens_per_s']:,.1f} tok/s)"
-        + (f", {agree} of {len(hf_answers)} as hf's" if hf_answers is not None else ""))
+    entry = _served_figures(answers, seconds, hf_answers, cores, client.concurrency)
+    entry.update(startup_seconds=round(startup, 1), **extra, dtype=dtype)
+    say(f"{kind}: {entry['tokens']:,} tokens in {seconds:.1f} s ({entry['tokens_per_s']:,.1f} tok/s)"
+        + (f", {entry['agree_with_hf']} of {len(hf_answers)} as hf's" if hf_answers is not None else ""))
     return entry
 
 
@@ -326,16 +319,23 @@ def run_endpoint(url: str, cfg: Config, tokenizer, samples: list[PreparedSample]
     started = time.perf_counter()
     answers = _ask(client, samples, options.max_new_tokens)
     seconds = time.perf_counter() - started
+    entry = _served_figures(answers, seconds, hf_answers, None, client.concurrency)
+    entry["model"] = client.endpoints[0].model
+    say(f"{url}: {entry['tokens']:,} tokens in {seconds:.1f} s ({entry['tokens_per_s']:,.1f} tok/s): set "
+        f"data.generation.tokens_per_s to it for `plan` (at concurrency {client.concurrency})")
+    return entry
+
+
+def _served_figures(answers: list, seconds: float, hf_answers: dict[int, list[int]] | None, cores: int | None,
+                    concurrency: int) -> dict[str, Any]:
+    """A server's figures from its answers: speed, agreement with hf's answers, and how the answers came."""
     good = {a.key: a.tokens for a in answers if a.tokens is not None}
-    tokens = sum(len(t) for t in good.values())
     agree = None if hf_answers is None else sum(good.get(k) == v for k, v in hf_answers.items())
-    entry = _figures(tokens, seconds, len(good), agree, cores=None)
-    entry.update(model=client.endpoints[0].model, from_text=sum(a.from_text for a in answers),
+    entry = _figures(sum(len(t) for t in good.values()), seconds, len(good), agree, cores=cores)
+    entry.update(from_text=sum(a.from_text for a in answers),
                  retokenize_differs=sum(a.retokenize_differs for a in answers),
                  errors=sum(a.tokens is None for a in answers),
-                 truncated=sum(a.finish == "length" for a in answers), concurrency=client.concurrency)
-    say(f"{url}: {tokens:,} tokens in {seconds:.1f} s ({entry['tokens_per_s']:,.1f} tok/s): set "
-        f"data.generation.tokens_per_s to it for `plan` (at concurrency {client.concurrency})")
+                 truncated=sum(a.finish == "length" for a in answers), concurrency=concurrency)
     return entry
 
 
