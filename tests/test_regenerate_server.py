@@ -227,6 +227,7 @@ def test_failing_endpoint_leaves_the_rotation_and_a_hung_one_is_retried(servers,
 def test_run_trains_from_the_servers_answers(servers, tiny_target_dir, tmp_path):
     """The main job with engine openai: the same kind of run as in-process regeneration (audit exact, drafter
     exported, tau reported), the target loaded only to extract."""
+    from dflash_stream.observe.status import collect_status, render_status
     from dflash_stream.pipeline.audit import audit_run
 
     config = write_config(tmp_path, tiny_target_dir, [s.url for s in servers],
@@ -249,4 +250,8 @@ def test_run_trains_from_the_servers_answers(servers, tiny_target_dir, tmp_path)
     assert regen["answers"] == regen["asked"] > 0 and regen["errors"] == 0
     assert sum(ep["answers"] for ep in regen["endpoints"].values()) == regen["answers"]
     assert summary["regenerate"]["answers"] == regen["answers"]
+    # `status` shows the servers' progress from the extractor's metrics.
+    shown = collect_status(output)
+    assert shown["regeneration"]["answered"] == shown["regeneration"]["asked"] == regen["asked"]
+    assert "regen " in render_status(shown)
     assert "regeneration:" in done.stdout + done.stderr

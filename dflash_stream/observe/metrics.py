@@ -6,6 +6,7 @@ import errno
 import json
 import os
 import socket
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,7 @@ class MetricsWriter:
         self.role, self.rank = role, rank
         self._file = self.path.open("a", buffering=1)
         self._dropped = 0
+        self._lock = threading.Lock()  # the extractor's sink and regeneration threads log beside its main thread
 
     def log(self, event: str, **fields: Any) -> None:
         if event == "start":
@@ -31,7 +33,8 @@ class MetricsWriter:
             fields = {"pid": os.getpid(), "host": socket.gethostname(), **fields}
         record = {"time": time.time(), "role": self.role, "rank": self.rank, "event": event, **fields}
         try:
-            self._file.write(json.dumps(record) + "\n")
+            with self._lock:
+                self._file.write(json.dumps(record) + "\n")
         except OSError as err:  # a full disk costs metrics lines, never the run
             if err.errno not in (errno.ENOSPC, errno.EDQUOT):
                 raise

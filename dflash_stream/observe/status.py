@@ -114,6 +114,18 @@ def _extraction(events: list[dict[str, Any]], running: bool, summary: dict[str, 
     }
 
 
+def _regeneration(events: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """engine openai: the servers' answers for every extractor's shard, from their latest `regenerate` events."""
+    last = _latest(events, "regenerate")
+    if not last:
+        return None
+    asked = sum(e["asked"] for e in last.values())
+    answered = sum(e["answered"] for e in last.values())
+    return {"ranks": len(last), "asked": asked, "answered": answered, "progress": answered / asked if asked else None,
+            "tokens": sum(e["tokens"] for e in last.values()), "errors": sum(e["errors"] for e in last.values()),
+            "tok_s": sum(e["tok_s"] for e in last.values())}
+
+
 def _live_store(out: Path) -> dict[str, Any] | None:
     """The store's own status when its folder is reachable from here (the run's config.yaml names it)."""
     from dflash_stream.store import Store, StoreError
@@ -214,6 +226,7 @@ def collect_status(output_dir: str | Path, now: float | None = None) -> dict[str
     return {
         "output": str(out), "state": state, "state_reason": reason, "time": now,
         "ranks": ranks,
+        "regeneration": _regeneration(events),
         "extraction": _extraction(events, state == "running", summary),
         "buffer": _buffer(out, events, now),
         "training": _training(events, state == "running"),
@@ -229,6 +242,12 @@ def render_status(s: dict[str, Any]) -> str:
     for r in s["ranks"]:
         roles[r["role"]] = roles.get(r["role"], 0) + 1
     out.append("ranks: " + (", ".join(f"{n} {role}" for role, n in roles.items()) or "none"))
+    g = s.get("regeneration")
+    if g:
+        pct = f" ({g['progress']:.1%})" if g["progress"] is not None else ""
+        errors = f", {g['errors']} errors" if g["errors"] else ""
+        out.append(f"regen     {fmt_count(g['answered'])} / {fmt_count(g['asked'])} answers{pct} from the servers, "
+                   f"{g['tok_s']:,.0f} tok/s over {g['ranks']} extractor(s){errors}")
     x = s["extraction"]
     if x:
         pct = f" ({x['progress']:.1%})" if x["progress"] is not None else ""

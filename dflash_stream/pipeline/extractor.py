@@ -164,7 +164,8 @@ class Extractor:
             # The extractors share data.generation.concurrency: each keeps its part of it in flight.
             self._server = ServerRegenerator(cfg, self.tokenizer, self.cache,
                                              stop_token_ids(self.model, self.tokenizer),
-                                             concurrency=math.ceil(cfg.data.generation.concurrency / role.count))
+                                             concurrency=math.ceil(cfg.data.generation.concurrency / role.count),
+                                             on_progress=lambda figures: metrics.log("regenerate", **figures))
         self._dropped: dict[int, tuple[str, str]] = {}
         width = len(self.layer_ids) * shape.hidden_size
         self.bytes_per_token = sizes.raw_bytes_per_token(width)

@@ -13,6 +13,7 @@ import json
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 from dflash_stream.config import Config, ConfigError, load_config
@@ -24,6 +25,8 @@ from dflash_stream.rundir import RunDir, write_atomic
 
 log = get_logger(__name__)
 
+PROGRESS_EVERY_S = 2.0
+"""How often the phase reports its progress (an extractor writes it to its metrics for `status`)."""
 CACHE_PART = "regenerate"
 """The response cache part `dflash-stream regenerate` writes (extractors write theirs by shard index)."""
 
@@ -37,8 +40,10 @@ class ServerRegenerator:
     """Asks the servers for the answers the cache lacks, in a background thread, and lets callers wait for some."""
 
     def __init__(self, cfg: Config, tokenizer, cache: ResponseCache, stop_ids: set[int],
-                 concurrency: int | None = None) -> None:
-        self.cfg, self.cache = cfg, cache
+                 concurrency: int | None = None, on_progress: Callable[[dict[str, Any]], None] | None = None
+                 ) -> None:
+        self.cfg, self.cache, self.on_progress = cfg, cache, on_progress
+        self._reported = 0.0
         self.client = CompletionClient(cfg.data.generation, tokenizer, stop_ids, concurrency)
         self._ready = threading.Condition()
         self._asked: set[int] = set()
@@ -114,12 +119,22 @@ class ServerRegenerator:
         with self._ready:
             self._answered.add(answer.key)
             self._ready.notify_all()
+        now = time.monotonic()
+        if self.on_progress is not None and (now - self._reported >= PROGRESS_EVERY_S
+                                             or len(self._answered) == len(self._asked)):
+            self._reported = now
+            self.on_progress(self.progress())
         if self._bar is not None:
             elapsed = max(time.monotonic() - self._started, 1e-9)
             self._bar.set_postfix_str(f"{self.counts['tokens'] / elapsed:,.0f} tok/s"
                                       + (f", {self.counts['errors']} errors" if self.counts["errors"] else ""),
                                       refresh=False)
             self._bar.update(1)
+
+    def progress(self) -> dict[str, Any]:
+        elapsed = max(time.monotonic() - self._started, 1e-9)
+        return {"asked": len(self._asked), "answered": len(self._answered), "tokens": self.counts["tokens"],
+                "errors": self.counts["errors"], "tok_s": round(self.counts["tokens"] / elapsed, 1)}
 
     def summary(self) -> dict[str, Any]:
         seconds = (self._ended or time.monotonic()) - self._started if self._started else 0.0
