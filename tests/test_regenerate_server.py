@@ -5,7 +5,6 @@ one clear line, and a whole `accelerate launch run` trains from the servers' ans
 
 from __future__ import annotations
 
-import http.server
 import json
 import signal
 import subprocess
@@ -17,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from json_endpoint import json_endpoint, url
 
 from dflash_stream.cli import main
 from dflash_stream.regenerate.servers import LocalServer
@@ -167,39 +167,12 @@ def test_killed_server_and_killed_phase_lose_nothing_asked(servers, tiny_target_
     assert len(counts) == summary["samples"] and max(counts.values()) == 1, "an answer was asked for twice"
 
 
-class _Failing(http.server.BaseHTTPRequestHandler):
-    """An endpoint whose server lists a model but fails every completion (an engine in a bad state)."""
-
-    def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
-        self._send(200, {"object": "list", "data": [{"id": self.server.model_name, "object": "model"}]})
-
-    def do_POST(self) -> None:  # noqa: N802
-        self.rfile.read(int(self.headers.get("Content-Length", 0)))
-        self.server.posts += 1
-        self._send(500, {"error": {"message": "EngineCore encountered an issue"}})
-
-    def _send(self, status: int, body: dict) -> None:
-        data = json.dumps(body).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def log_message(self, *args) -> None:
-        pass
-
-
 def test_failing_endpoint_leaves_the_rotation_and_a_hung_one_is_retried(servers, tiny_target_dir, tmp_path, capfd):
-    failing = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Failing)
-    failing.model_name, failing.posts = str(tiny_target_dir), 0
-    threading.Thread(target=failing.serve_forever, daemon=True).start()
-    try:
-        bad_url = f"http://127.0.0.1:{failing.server_address[1]}/v1"
+    # An engine in a bad state: it lists its model but fails every completion.
+    with json_endpoint(str(tiny_target_dir), 500, {"error": {"message": "EngineCore encountered an issue"}}) as failing:
+        bad_url = url(failing)
         config = write_config(tmp_path, tiny_target_dir, [servers[0].url, bad_url], retries=3)
         assert main(["regenerate", "--config", str(config)]) == 0
-    finally:
-        failing.shutdown()
     err = capfd.readouterr().err
     summary = regen_summary(tmp_path / "out")
     assert summary["missing"] == 0 and summary["endpoints"][bad_url]["answers"] == 0
@@ -255,3 +228,37 @@ def test_run_trains_from_the_servers_answers(servers, tiny_target_dir, tmp_path)
     assert shown["regeneration"]["answered"] == shown["regeneration"]["asked"] == regen["asked"]
     assert "regen " in render_status(shown)
     assert "regeneration:" in done.stdout + done.stderr
+
+
+def test_hybrid_target_answers_published_rows_then_trains(demo_tokenizer_dir, tmp_path):
+    """The headline's layer mix (Qwen3.5's Gated-DeltaNet + attention hybrid, tiny, from transformers' config
+    class) served by `transformers serve`, on rows in the six headline sources' published schemas: `regenerate`
+    answers every kept sample, and `run` then extracts and trains from the cache alone. The text model: for the
+    VLM wrapper `transformers serve` loads an image processor, which needs torchvision (a real checkpoint's
+    servers, vLLM and SGLang, serve the wrapper; the extraction side of it is test_families.py's)."""
+    from published_rows import write_rows
+    from target_families import save_target
+
+    from dflash_stream.pipeline.audit import audit_run
+
+    target = save_target("qwen3_5_text", tmp_path / "target", demo_tokenizer_dir)
+    rows = write_rows(tmp_path / "rows")
+    # Without continuous batching: transformers serve's paged cache has no Gated-DeltaNet layers yet.
+    with LocalServer("transformers", target, tmp_path / "server.log", continuous_batching=False) as server:
+        server.start().wait_ready(240)
+        config = write_config(tmp_path, target, [server.url])
+        cfg = yaml.safe_load(config.read_text())
+        cfg["data"]["sources"] = [{"path": str(path)} for path in rows.values()]
+        cfg["data"]["max_length"] = 512
+        cfg["target"]["num_capture_layers"] = 2
+        config.write_text(yaml.safe_dump(cfg))
+        assert main(["regenerate", "--config", str(config)]) == 0
+    summary = regen_summary(tmp_path / "out")
+    assert summary["samples"] == summary["answers"] == len(cache_lines(tmp_path / "out")) >= len(rows)
+    # The server is gone: the run must find every answer in the cache.
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(LAUNCH_2CPU),
+           "-m", "dflash_stream", "run", "--config", str(config)]
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    assert "every answer came from the cache" in done.stdout + done.stderr
+    assert audit_run(tmp_path / "out")["ok"]

@@ -219,7 +219,8 @@ class Extractor:
             self._regen_bar.close()
         if self._server is not None:
             self._server.close()
-            for line in summary_lines(self._server.summary()):
+            summary = self._server.summary()
+            for line in summary_lines(summary) if summary["asked"] else ["every answer came from the cache"]:
                 log.info(line)
         self._done = True
         return True

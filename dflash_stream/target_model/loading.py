@@ -154,17 +154,16 @@ def target_stop_ids(target: TargetConfig, tokenizer: PreTrainedTokenizerBase) ->
         config = GenerationConfig.from_pretrained(location, **kwargs)
     except (OSError, ValueError):
         config = GenerationConfig()
-    ids = config.eos_token_id
-    ids = set(ids if isinstance(ids, list) else [] if ids is None else [ids])
-    if tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    return ids
+    return _stop_ids(config.eos_token_id, tokenizer)
 
 
 def stop_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> set[int]:
     """Tokens that end a generated response: the generation config's end-of-sequence ids and the tokenizer's."""
-    ids = model.generation_config.eos_token_id
-    ids = set(ids if isinstance(ids, list) else [] if ids is None else [ids])
+    return _stop_ids(model.generation_config.eos_token_id, tokenizer)
+
+
+def _stop_ids(eos: int | list[int] | None, tokenizer: PreTrainedTokenizerBase) -> set[int]:
+    ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
     if tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
     return ids
