@@ -35,6 +35,7 @@ COMMANDS = {
     "report": "dflash_stream.observe.commands",
     "store": "dflash_stream.store.commands",
     "regenerate": "dflash_stream.regenerate.phase",
+    "serve-command": "dflash_stream.target_model.vllm_serve",
 }
 # bench name -> the module whose `register_bench(subparsers)` defines it
 BENCHES = {

@@ -212,6 +212,43 @@ class ExtractConfig(Section):
     """A kept store (extracted with the same target, layers and data, and never trained from) whose samples are
     written into store.path instead of running the target: train again with another budget, codec or epoch
     order from states extracted once (`pipeline/replay.py`)."""
+    engine: Literal["hf", "vllm"] = "hf"
+    """hf: each extractor runs the target itself (a transformers forward with capture hooks, the whole target on
+    its device); vllm: vLLM servers at `endpoints` compute the states (any size, their own tensor parallelism) and
+    write them into `spool`, and the extractors, which load only the target's config and tokenizer, pack them into
+    the store (`docs/vllm-extraction.md`; `dflash-stream serve-command` prints how to start the servers)."""
+    endpoints: list[str] = Field(default_factory=list)
+    """engine vllm: the servers' base URLs (`http://host:8000/v1`; `/v1` is added to a bare host:port)."""
+    spool: str | None = None
+    """engine vllm: the folder the servers write each request's states into and the extractors read them from
+    (local NVMe or /dev/shm on the servers' node, or a filesystem both sides share); default OUTPUT/spool."""
+    spool_bytes: ByteSize = ByteSize(2 * 2**30)
+    """engine vllm: the most the spool holds at once, over all extractors: requests in flight are bounded so that
+    their files never exceed it."""
+    tensor_parallel_size: int = Field(1, ge=1)
+    """engine vllm: GPUs per server (`serve-command` passes it as --tensor-parallel-size; `plan` counts it)."""
+    retries: int = Field(3, ge=0)
+    """engine vllm: how often a request whose states did not come (error, timeout, a missing, late or damaged
+    file) is sent again before its sample is reported and left out."""
+    timeout_s: float = Field(600.0, gt=0)
+    """engine vllm: seconds one request may take, and then its file may take to appear."""
+    give_up_s: float = Field(1800.0, gt=0)
+    """engine vllm: how long every endpoint may stay unreachable before the extractor stops (resumable)."""
+
+    @field_validator("endpoints")
+    @classmethod
+    def _endpoints(cls, v: list[str]) -> list[str]:
+        return [endpoint_base_url(url) for url in v]
+
+    @model_validator(mode="after")
+    def _engine(self) -> ExtractConfig:
+        if self.engine == "vllm" and not self.endpoints:
+            raise ValueError("engine vllm needs extract.endpoints: one or more vLLM server base URLs such as "
+                             "http://localhost:8000/v1 (`dflash-stream serve-command` prints how to start them)")
+        if self.engine == "vllm" and self.from_store:
+            raise ValueError("from_store replays a kept store instead of extracting: it takes no engine; set "
+                             "extract.engine: hf (the default) or drop extract.from_store")
+        return self
 
 
 class StoreConfig(Section):
@@ -396,6 +433,11 @@ class Config(Section):
                 f"train.length_buckets: the last bucket ({buckets[-1]}) must be at least data.max_length "
                 f"({self.data.max_length}), or the longest samples would have no shape"
             )
+        gen = self.data.generation
+        if self.extract.engine == "vllm" and self.data.regenerate and gen.engine == "hf":
+            raise ValueError("data.generation.engine: hf generates with the target inside the extractors, and with "
+                             "extract.engine vllm they load no target; set data.generation.engine: openai (the "
+                             "extraction servers can answer too: list them in data.generation.endpoints)")
         reuse, epochs = self.store.reuse, self.train.epochs
         if self.train.epoch_source == "reuse":
             if reuse == 1 and epochs > 1:

@@ -9,6 +9,8 @@ Every reader and writer of OUTPUT goes through `RunDir`, so the layout below has
     ledger/trainer-R/N.jsonl     segment uses trainer rank R trained between the previous checkpoint and step N
     data/report-<shard>.json     what the data stage kept and skipped (the audit's expected ids)
     data/responses-<digest>-<shard>.jsonl   regenerated responses, appended as made
+    spool/                       extract.engine vllm: the servers' state files until an extractor packs them
+                                 (the default extract.spool)
     tensorboard/<role>-<rank>/   TensorBoard scalars (metrics.tensorboard)
     drafter/                     the final export
     summary-parts/<role>-<index>.json, summary.json, eval.json, report/*.png
@@ -54,6 +56,12 @@ class RunDir:
 
     def tensorboard(self, role: str, rank: int) -> Path:
         return self.root / "tensorboard" / f"{role}-{rank}"
+
+    @property
+    def spool(self) -> Path:
+        """Where vLLM servers write the states extractors read (extract.engine vllm), unless extract.spool
+        names another folder."""
+        return self.root / "spool"
 
     # ---------------------------------------------------------------- checkpoints
 

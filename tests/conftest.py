@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 
 import pytest
@@ -54,3 +55,67 @@ def tiny_target_dir(demo_tokenizer_dir, tmp_path_factory) -> Path:
     for item in demo_tokenizer_dir.iterdir():
         shutil.copy(item, out / item.name)
     return out
+
+
+VLLM_PYTHON = Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python"
+
+
+@pytest.fixture(scope="session")
+def served_target_dir(demo_tokenizer_dir, tmp_path_factory) -> Path:
+    """A 6-layer random Llama with 32-wide heads (vLLM's CPU attention takes no narrower), beside the real
+    tokenizer: the target the vLLM extraction tests serve."""
+    from target_families import save_target
+
+    return save_target("llama", tmp_path_factory.mktemp("served-target"), demo_tokenizer_dir, served=True)
+
+
+class ExtractionServer:
+    """A running vLLM server that computes the states of layers `layer_ids` of `target` into `spool`; a test's
+    config takes `extract_keys()` (and may point data.generation at `url` too)."""
+
+    MAX_LENGTH = 1024
+    """The longest data.max_length a test may use with it (its --max-model-len is one more)."""
+
+    def __init__(self, target: Path, workdir: Path) -> None:
+        from dflash_stream.config import config_from_dict
+        from dflash_stream.regenerate.servers import LocalServer
+        from dflash_stream.target_model.vllm_serve import extraction_args, run_layer_ids, server_env
+
+        self.target, self.spool = target, workdir / "spool"
+        cfg = config_from_dict({
+            "output_dir": str(workdir), "target": {"model": str(target), "dtype": "float32", "num_capture_layers": 3},
+            "data": {"sources": [{"path": "unused.jsonl"}], "max_length": self.MAX_LENGTH},
+            "extract": {"engine": "vllm", "endpoints": ["http://127.0.0.1:1/v1"], "spool": str(self.spool)},
+            "store": {"path": str(workdir / "store"), "budget": "1GB"}})
+        self.layer_ids = run_layer_ids(cfg)
+        self.server = LocalServer("vllm", target, workdir / "vllm.log", python=VLLM_PYTHON, kv_cache_gib=1,
+                                  extra_args=(*extraction_args(cfg, self.layer_ids), "--enforce-eager"))
+        # Compute on every core with none kept back, as `bench regenerate` does by default.
+        cores = sorted(os.sched_getaffinity(0))
+        self.env = {**server_env(), "VLLM_CPU_OMP_THREADS_BIND": f"{cores[0]}-{cores[-1]}",
+                    "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+        self.startup_seconds = 0.0
+
+    @property
+    def url(self) -> str:
+        return self.server.url
+
+    def start(self) -> ExtractionServer:
+        self.server.start(self.env)
+        self.startup_seconds = self.server.wait_ready(900)
+        return self
+
+    def extract_keys(self, **more) -> dict:
+        return {"engine": "vllm", "endpoints": [self.url], "spool": str(self.spool), **more}
+
+
+@pytest.fixture(scope="session")
+def vllm_extraction_server(served_target_dir, tmp_path_factory):
+    """One vLLM extraction server per pytest run (minutes to start on this CPU), shared by the tests that ask."""
+    if not VLLM_PYTHON.exists():
+        pytest.skip(f"no {VLLM_PYTHON.parents[1].name}: `make vllm-env` makes it (`make test` does)")
+    server = ExtractionServer(served_target_dir, tmp_path_factory.mktemp("vllm-extraction"))
+    try:
+        yield server.start()
+    finally:
+        server.server.stop()

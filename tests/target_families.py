@@ -17,6 +17,8 @@ MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
 GDN = {"linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
        "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4, "full_attention_interval": 3}
 WINDOW = 16  # sliding windows far shorter than the prompts, so that eval must roll windowed caches back
+SERVED = {"hidden_size": 128, "head_dim": 32, "linear_key_head_dim": 32, "linear_value_head_dim": 32}
+"""Wider heads for the targets tests serve with vLLM: its CPU attention takes head sizes 32 to 512 only."""
 
 
 def _drop(d: dict[str, Any], *keys: str) -> dict[str, Any]:
@@ -53,19 +55,28 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
-def build_config(family: str) -> Any:
+def build_config(family: str, served: bool = False) -> Any:
+    """The family's tiny config; `served`: with SERVED's widths (a text config's own keys only)."""
     from transformers import AutoConfig
 
     model_type, kwargs = FAMILIES[family]
+    if served:
+        text = kwargs.get("text_config", kwargs)
+        wide = {k: v for k, v in SERVED.items() if k in text or k in ("hidden_size", "head_dim")}
+        if "text_config" in kwargs:
+            vision = {**kwargs["vision_config"], "out_hidden_size": SERVED["hidden_size"]}
+            kwargs = {**kwargs, "text_config": {**text, **wide}, "vision_config": vision}
+        else:
+            kwargs = {**kwargs, **wide}
     return AutoConfig.for_model(model_type, **kwargs)
 
 
-def save_target(family: str, out: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
+def save_target(family: str, out: Path, tokenizer_dir: Path, seed: int = 0, served: bool = False) -> Path:
     """The family's tiny model saved as its hub checkpoints are: a wrapper class where the hub has one."""
     import torch
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-    config = build_config(family)
+    config = build_config(family, served)
     torch.manual_seed(seed)
     wrapped = config.get_text_config() is not config
     model = (AutoModelForImageTextToText if wrapped else AutoModelForCausalLM).from_config(config)

@@ -16,8 +16,9 @@ import yaml
 from dflash_stream.config import config_from_dict
 from dflash_stream.observe.metrics import MetricsWriter, read_metrics
 from dflash_stream.pipeline.common import open_store
-from dflash_stream.pipeline.extractor import Extractor, NonFiniteStates
+from dflash_stream.pipeline.extractor import Extractor
 from dflash_stream.pipeline.roles import RoleInfo
+from dflash_stream.pipeline.state_health import NonFiniteStates
 from dflash_stream.target_model import load_target
 from dflash_stream.target_model.capture import LayerCapture
 

@@ -126,6 +126,21 @@ def _regeneration(events: list[dict[str, Any]]) -> dict[str, Any] | None:
             "tok_s": sum(e["tok_s"] for e in last.values())}
 
 
+def _health(events: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The states' health per layer in the latest segment of each extractor (`health` events), and the worst
+    figures over them: the lowest RMS, the highest share of zeros, the non-finite values in all."""
+    last = _latest(events, "health")
+    if not last:
+        return None
+    latest = list(last.values())
+    layers = latest[0]["layers"]
+    same = [e for e in latest if e["layers"] == layers]
+    return {"engine": ", ".join(sorted({e.get("engine", "?") for e in latest})), "layers": layers,
+            "rms": [min(e["rms"][k] for e in same) for k in range(len(layers))],
+            "zero_share": [max(e["zero_share"][k] for e in same) for k in range(len(layers))],
+            "non_finite": sum(sum(e["non_finite"]) for e in latest), "ranks": len(latest)}
+
+
 def _live_store(out: Path) -> dict[str, Any] | None:
     """The store's own status when its folder is reachable from here (the run's config.yaml names it)."""
     from dflash_stream.store import Store, StoreError
@@ -228,6 +243,7 @@ def collect_status(output_dir: str | Path, now: float | None = None) -> dict[str
         "ranks": ranks,
         "regeneration": _regeneration(events),
         "extraction": _extraction(events, state == "running", summary),
+        "health": _health(events),
         "buffer": _buffer(out, events, now),
         "training": _training(events, state == "running"),
         "checkpoints": _checkpoints(out, events),
@@ -255,6 +271,12 @@ def render_status(s: dict[str, Any]) -> str:
         out.append(f"extract   {fmt_count(x['samples'])} / {fmt_count(x['samples_total'])} samples{pct}{eta}")
         out.append(f"          {x['tok_s']:,.0f} tok/s over {x['ranks']} rank(s); blocked on a full buffer "
                    f"{_seconds(x['backpressure_s'])} (forward loop stalled {_seconds(x['stall_s'])})")
+    h = s.get("health")
+    if h:
+        rms = " ".join(f"{v:.3g}" for v in h["rms"])
+        zeros = " ".join(f"{v:.2%}" for v in h["zero_share"])
+        out.append(f"health    layers {h['layers']} (engine {h['engine']}, latest segment of {h['ranks']} "
+                   f"extractor(s)): RMS {rms}; zeros {zeros}; {h['non_finite']} non-finite")
     b = s["buffer"]
     if b:
         fill = f"{b['fill']:.0%}" if b["fill"] is not None else "?"

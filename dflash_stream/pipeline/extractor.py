@@ -14,7 +14,7 @@ import math
 import queue
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,11 +36,13 @@ from dflash_stream.pipeline.common import (
 from dflash_stream.pipeline.guard import hold_output, stop_with_launcher
 from dflash_stream.pipeline.packing import SegmentPacker
 from dflash_stream.pipeline.roles import RoleInfo, assign_uniform
+from dflash_stream.pipeline.state_health import StateHealth
 from dflash_stream.preflight import check_run_paths
 from dflash_stream.regenerate.cache import ResponseCache
 from dflash_stream.regenerate.phase import ServerRegenerator, summary_lines
 from dflash_stream.store import Sample, Store, lease, sizes
 from dflash_stream.target_model import (
+    TargetShape,
     load_target,
     model_shape,
     resolve_device,
@@ -66,10 +68,6 @@ def pass_order(items: list, seed: int, pass_index: int) -> list:
     return [items[i] for i in np.random.default_rng([seed, pass_index]).permutation(len(items))]
 
 
-class NonFiniteStates(DFlashError):
-    """A captured hidden state holds NaN or Inf."""
-
-
 @dataclass
 class _Captured:
     pass_index: int
@@ -77,6 +75,8 @@ class _Captured:
     states: torch.Tensor
     """bf16 [B, T, K*D] on the host (or being copied there until `ready` fires)."""
     ready: torch.cuda.Event | None
+    done: Callable[[], None] | None = None
+    """Called once the samples are in the packer (a served extractor deletes their spool files)."""
 
 
 @dataclass
@@ -90,8 +90,8 @@ _STOP = object()
 class _SegmentSink:
     """The background side: host copies, checks, and the packer's segment writes."""
 
-    def __init__(self, packer: SegmentPacker, queue_size: int) -> None:
-        self.packer = packer
+    def __init__(self, packer: SegmentPacker, queue_size: int, health: StateHealth) -> None:
+        self.packer, self.health = packer, health
         self.queue: queue.Queue = queue.Queue(maxsize=queue_size)
         self.error: BaseException | None = None
         self._thread: threading.Thread | None = None
@@ -140,10 +140,10 @@ class _SegmentSink:
         for row, sample in enumerate(item.samples):
             # A copy, so the batch tensor is freed once its samples are packed.
             states = item.states[row, : sample.num_tokens].clone()
-            if not torch.isfinite(states).all():
-                raise NonFiniteStates(f"sample {sample.sample_id} ({sample.origin}): the target produced NaN/Inf "
-                                      "hidden states; check target.dtype (float16 overflows on many models)")
+            self.health.check(sample, states)
             self.packer.add(item.pass_index, Sample(sample.sample_id, sample.input_ids, sample.loss_mask, states))
+        if item.done is not None:
+            item.done()
 
 
 class Extractor:
@@ -152,18 +152,15 @@ class Extractor:
     def __init__(self, cfg: Config, role: RoleInfo, store: Store, metrics: MetricsWriter, device: torch.device,
                  target: tuple[Any, Any] | None = None) -> None:
         self.cfg, self.role, self.store, self.metrics, self.device = cfg, role, store, metrics, device
-        self.model, self.tokenizer = target if target is not None else load_target(cfg.target, device)
-        shape = model_shape(self.model)
+        self.tokenizer, shape, stop_ids = self._open_target(target)
         self.layer_ids = resolve_layer_ids(shape.num_layers, cfg.target)
-        self.capture = LayerCapture(self.model, self.layer_ids)
-        self._host = HostCopier(device)
+        self.health = StateHealth(self.layer_ids, shape.hidden_size, cfg.extract.engine)
         self.samples, self.report = prepare_shard(cfg, self.tokenizer, role.index, role.count)
         self.cache = ResponseCache(cfg.output_dir, data_spec_digest(cfg), role.index) if cfg.data.regenerate else None
         self._server: ServerRegenerator | None = None
         if self.cache is not None and cfg.data.generation.engine == "openai":
             # The extractors share data.generation.concurrency: each keeps its part of it in flight.
-            self._server = ServerRegenerator(cfg, self.tokenizer, self.cache,
-                                             stop_token_ids(self.model, self.tokenizer),
+            self._server = ServerRegenerator(cfg, self.tokenizer, self.cache, stop_ids,
                                              concurrency=math.ceil(cfg.data.generation.concurrency / role.count),
                                              on_progress=lambda figures: metrics.log("regenerate", **figures))
         self._dropped: dict[int, tuple[str, str]] = {}
@@ -180,13 +177,21 @@ class Extractor:
         self.backpressure_seconds = self.extract_seconds = 0.0
         self.writer = store.writer(f"extractor-{role.index}")
         self._packer = SegmentPacker(self.writer, int(cfg.store.segment_bytes), width, self._on_segment)
-        self._sink = _SegmentSink(self._packer, cfg.extract.queue_size)
+        self._sink = _SegmentSink(self._packer, cfg.extract.queue_size, self.health)
         self._work = self._plan()
         self._bar = None
         self._run_started = 0.0
         self._forwarded_tokens = 0
         self._done = False
         self._segments_written = 0
+
+    def _open_target(self, target: tuple[Any, Any] | None) -> tuple[Any, TargetShape, set[int]]:
+        """(tokenizer, shape, stop ids) of the target, here loaded to run in this process with capture hooks."""
+        self.model, tokenizer = target if target is not None else load_target(self.cfg.target, self.device)
+        shape = model_shape(self.model)
+        self.capture = LayerCapture(self.model, resolve_layer_ids(shape.num_layers, self.cfg.target))
+        self._host = HostCopier(self.device)
+        return tokenizer, shape, stop_token_ids(self.model, tokenizer)
 
     # -- the public loop ------------------------------------------------------------------------------------
 
@@ -245,8 +250,9 @@ class Extractor:
                 for batch, states, ready in self._forward(todo[start:end]):
                     if ready is not None:
                         ready.synchronize()
-                    stored += [Sample(p.sample_id, p.input_ids, p.loss_mask, states[row, : p.num_tokens].clone())
-                               for row, p in enumerate(batch)]
+                    for row, p in enumerate(batch):
+                        stored.append(Sample(p.sample_id, p.input_ids, p.loss_mask, states[row, : p.num_tokens].clone()))
+                        self.health.check(p, stored[-1].hidden_states)
                 start = end
             info = self.writer.write(stored, pass_index=part["pass_index"], first_use=part["first_use"], replaces=tag)
             log.info("extracted the %d sample(s) of quarantined part %s again: segment %s (from use %d)",
@@ -434,6 +440,8 @@ class Extractor:
         self._log_progress()
         self._segments_written += 1
         log_store_event(self.metrics, self.store, segments_written=self._segments_written)
+        self.metrics.log("health", segment=self._segments_written, samples=len(samples),
+                         **self.health.segment([s.sample_id for s in samples]))
 
     def _log_progress(self, elapsed: float | None = None) -> None:
         """An `extract` event. Samples count those a resumed run found in the store; the total leaves out the

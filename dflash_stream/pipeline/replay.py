@@ -64,9 +64,14 @@ def open_kept_store(cfg: Config, store: Store) -> tuple[Store, list[SegmentInfo]
 
 def make_extractor(cfg: Config, role: RoleInfo, store: Store, metrics: MetricsWriter, device: torch.device
                    ) -> Extractor | StoreReplay:
-    """The target's extractor, or the replay of a kept store when extract.from_store names one."""
+    """The target's extractor (its own forward, or vLLM servers' with extract.engine vllm), or the replay of a
+    kept store when extract.from_store names one."""
     if cfg.extract.from_store:
         return StoreReplay(cfg, role, store, metrics)
+    if cfg.extract.engine == "vllm":
+        from dflash_stream.pipeline.served_extractor import ServedExtractor
+
+        return ServedExtractor(cfg, role, store, metrics, device)
     return Extractor(cfg, role, store, metrics, device)
 
 
