@@ -427,10 +427,12 @@ def test_plan_counts_the_serving_gpus_beside_the_launch(tmp_path: Path, capsys) 
     endpoints = [f"http://serve-{i}:8000/v1" for i in range(3)]
     path = _regen_config(tmp_path, endpoints=endpoints, gpus_per_endpoint=2)
     plan = build_plan(load_config(path), samples=10_000, mean_tokens=1_500, processes=4)
-    assert plan["time"]["gpus"] == {"launch": 4, "serving": 6, "total": 10}
+    assert plan["time"]["gpus"] == {"launch": 4, "extraction_servers": 0, "regeneration_servers": 6, "serving": 6,
+                                    "total": 10}
     hf = build_plan(load_config(_regen_config(tmp_path, engine="hf")), samples=10_000, mean_tokens=1_500,
                     processes=4)
-    assert hf["time"]["gpus"] == {"launch": 4, "serving": 0, "total": 4}
+    assert hf["time"]["gpus"] == {"launch": 4, "extraction_servers": 0, "regeneration_servers": 0, "serving": 0,
+                                  "total": 4}
     # No regeneration: no servers asked, whatever the engine says.
     plain = build_plan(load_config(_regen_config(tmp_path, regenerate=False, endpoints=endpoints)), processes=4,
                        samples=10_000, mean_tokens=1_500)

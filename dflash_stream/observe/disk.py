@@ -132,19 +132,25 @@ def run_parts(cfg: Config, params: int, samples: int | None, mean_tokens: float,
             metrics += events * (7 + slots) * 64
     if segment_uses:
         metrics += segment_uses * SEGMENT_EVENT_BYTES
-    return {
+    parts = {
         "store": int(cfg.store.budget),
         "checkpoints": (cfg.train.keep_checkpoints + 1) * checkpoint_bytes(cfg, params, samples_in_budget),
         "export": params * WEIGHT_BYTES + 8 * FILE_BLOCK,  # + config.json and the modeling file it carries
         "data": data,
         "metrics": metrics + SMALL_FILES_BYTES,
     }
+    if cfg.extract.engine == "vllm":  # the servers' state files until the extractors pack them
+        parts["spool"] = int(cfg.extract.spool_bytes)
+    return parts
 
 
 def part_paths(cfg: Config) -> dict[str, list[Path]]:
     """Where each part lives (the first path decides the filesystem)."""
+    from dflash_stream.target_model.vllm_serve import spool_dir
+
     out = Path(cfg.output_dir).absolute()
     return {
+        "spool": [spool_dir(cfg)],
         "store": [Path(cfg.store.path).absolute()],
         "checkpoints": [out / "checkpoints"],
         "export": [out / "drafter"],

@@ -411,7 +411,7 @@ def device_memory(cfg: Config, kind: str, gpu_memory: int | None, per_machine: i
 def _resident(role: str, est: Estimate) -> int:
     """What a role keeps on the device between its phases."""
     if role == "extractor":
-        return est.parts["target_weights"]
+        return est.parts.get("target_weights", 0)
     return sum(est.parts[k] for k in ("drafter_parameters", "optimizer_states", "target_embedding_lm_head"))
 
 
@@ -425,8 +425,11 @@ def role_estimates(cfg: Config, dims: TargetDims, layer_ids: list[int], kind: st
     # decode, and an extractor holds the capture forward alone.
     generates = cfg.data.regenerate and cfg.data.generation.engine == "hf"
     gen = (cfg.data.generation.batch_size, cfg.data.max_length) if generates else None
-    extractor = extractor_memory(dims, forward, captured_layers=len(layer_ids), dtype_bytes=dtype_bytes,
-                                 generation=gen)
+    if cfg.extract.engine == "vllm":  # the servers hold the target: the extractor puts nothing on a device
+        extractor = Estimate({}, {"client": 0}, ["extract.engine vllm: the states are computed by the vLLM servers"])
+    else:
+        extractor = extractor_memory(dims, forward, captured_layers=len(layer_ids), dtype_bytes=dtype_bytes,
+                                     generation=gen)
     drafter = drafter_dims(cfg, dims, len(layer_ids))
     batch = worst_train_batch(cfg)
     flex = cfg.drafter.attention == "flex" or (cfg.drafter.attention == "auto" and kind == "gpu")

@@ -20,6 +20,7 @@ from dflash_stream.observe.memory import TargetDims, drafter_dims, memory_plan, 
 from dflash_stream.observe.units import fmt_bytes, fmt_count, fmt_duration
 from dflash_stream.target_model.loading import GPU_EXTRA_INSTALL, TORCH_GDN_SLOWDOWN
 from dflash_stream.target_model.shape import LINEAR, TargetShape, target_shape
+from dflash_stream.target_model.vllm_serve import spool_dir
 
 # The codec's design ratio (store/codecs.py, measured on SmolLM2-135M states) until `tune` measures this target.
 DESIGN_RATIO_NOTE = "measured on SmolLM2-135M states, README Benchmarks (run `tune` to measure this target)"
@@ -39,6 +40,7 @@ CHECKPOINT_STALL_WARN = 0.05  # warn when checkpoints stop training for more tha
 # Share of the ideal N-fold speed a server split over N GPUs (tensor parallel) reaches: the per-layer all-reduces.
 TP_EFFICIENCY = 0.8
 MEASURED_SERVER_RATE = "data.generation.tokens_per_s (measured, e.g. by `dflash-stream bench regenerate`)"
+MEASURED_EXTRACTION_RATE = "extract.tokens_per_s (measured per vLLM server, e.g. by `dflash-stream bench extract`)"
 PROMPT_SHARE = 1 / 3  # assumed prompt part of a regenerated sample's tokens (chat and code answers run long)
 THIN_MARGIN = 0.2  # warn when the disk left after the budget is under this fraction of the budget
 REUSE_WINDOW_STEPS_MEASURED = 4.5
@@ -354,6 +356,13 @@ def build_plan(cfg: Config, samples: int | None = None, mean_tokens: float | Non
             "epoch_source=reextract (a full reshuffle per epoch, the target run every epoch)")
     if roles.get("better"):
         warnings.append(roles["better"])
+    if work["extract"]["engine"] == "vllm" and device_kind(cfg) == "gpu" and roles["mode"] == "split":
+        e, t = roles["extractors"], roles["trainers"]
+        warnings.append(
+            f"extract.engine vllm: the {e} extractor(s) only ask the servers, so the GPUs counted are the {t} "
+            f"trainers': launch them apart (`accelerate launch --num_processes {t} -m dflash_stream train` on the "
+            f"GPUs, `accelerate launch --cpu --num_processes {e} -m dflash_stream extract` beside it, one store); "
+            "inside one `run` launch each extractor rank would hold a GPU it does not use")
     time_plan = _time_plan(cfg, shape, layer_ids, work, roles, n_samples, tokens, launch["num_processes"], tune)
     time_plan["checkpoints"] = checkpoint_plan(cfg, time_plan, volume, disk, roles, tokens)
     stall = time_plan["checkpoints"]["stall_fraction"]
@@ -376,6 +385,7 @@ def build_plan(cfg: Config, samples: int | None = None, mean_tokens: float | Non
                  "mean_tokens_source": mean_source, "tokens": tokens},
         "phases": [{"name": n, "produces": p} for n, p in PHASES],
         "volume": volume, "buffer": buffer, "disk": disk, "time": time_plan, "roles": roles, "memory": memory,
+        "extract": {**work["extract"], "spool": str(spool_dir(cfg)) if work["extract"]["engine"] == "vllm" else None},
         "epochs": _epoch_costs(cfg, time_plan, volume, tokens),
         "store_cores": store_cores(codec, width, time_plan, tune),
         "kernels": kernel_assumptions(shape, device_kind(cfg)),
@@ -526,31 +536,64 @@ def role_work(cfg: Config, shape: TargetShape, layer_ids: list[int], mean: float
     """Per-process rates of each role and the seconds of work one sample costs each role on one process."""
     est = estimated_rates(cfg, shape, layer_ids, mean)
     tune_note = f"measured by tune ({tune.get('device', '?')})" if tune else ""
-    ext_rate, ext_src = _rate(cfg.extract.tokens_per_s, (tune or {}).get("extract_tok_s"),
-                              est["extract_tok_s"], tune_note, est["note"])
+    served = served_extraction(cfg, target_dims(shape), device_kind(cfg))
+    if served["engine"] == "vllm":  # the servers' rate, whatever the number of extractors asking them
+        ext_rate, ext_src = served["tokens_per_s_per_server"], served["tokens_per_s_source"]
+        tune = None if tune is None else {k: v for k, v in tune.items() if k != "extract_tok_s"}
+    else:
+        ext_rate, ext_src = _rate(cfg.extract.tokens_per_s, (tune or {}).get("extract_tok_s"),
+                                  est["extract_tok_s"], tune_note, est["note"])
     train_rate, train_src = _rate(cfg.train.tokens_per_s, (tune or {}).get("train_tok_s"),
                                   est["train_tok_s"], tune_note, est["note"])
     regen = regeneration_estimate(cfg, target_dims(shape), mean, device_kind(cfg)) if cfg.data.regenerate else None
     # Engine hf decodes on the extractors; engine openai on the servers beside the launch, so the split of the
     # launch is chosen without it (`_time_plan` overlaps it with extraction).
     on_extractors = regen["seconds_per_sample"] if regen and regen["engine"] == "hf" else 0.0
+    # With engine vllm all the servers extract for however many extractors ask them.
+    servers = served["servers"] if served["engine"] == "vllm" else 1
     return {
         "extract_tok_s": ext_rate, "extract_source": ext_src, "train_tok_s": train_rate, "train_source": train_src,
-        "regenerate": regen,
+        "regenerate": regen, "extract": served,
         # One sample's work per role on one process: regeneration happens once (responses are cached), the
         # forward once per extraction pass, the drafter step once per epoch.
-        "extractor_seconds_per_sample": on_extractors + mean * cfg.extraction_passes / ext_rate,
+        "extractor_seconds_per_sample": on_extractors + mean * cfg.extraction_passes / (ext_rate * servers),
         "trainer_seconds_per_sample": mean * cfg.train.epochs / train_rate,
     }
 
 
-def split_alternatives(processes: int, extract_seconds: float, train_seconds: float) -> list[dict[str, Any]]:
+def served_extraction(cfg: Config, dims: TargetDims, kind: str) -> dict[str, Any]:
+    """Where the states are computed. Engine hf: in the extractors. Engine vllm: on extract.endpoints' servers of
+    tensor_parallel_size GPUs each, at extract.tokens_per_s per server when measured, else prefill at an assumed
+    effective FLOP rate through every layer (vLLM runs the whole forward: no early stop after the deepest captured
+    layer), the servers' devices of the launch's kind, at TP_EFFICIENCY when split over several."""
+    ext = cfg.extract
+    if ext.engine != "vllm":
+        return {"engine": "hf", "servers": 0, "tensor_parallel_size": 1, "spool_bytes": 0}
+    tp, servers = ext.tensor_parallel_size, len(ext.endpoints)
+    if ext.tokens_per_s:
+        rate, source = ext.tokens_per_s, MEASURED_EXTRACTION_RATE
+    else:
+        efficiency = TP_EFFICIENCY if tp > 1 else 1.0
+        rate = ASSUMED_FLOPS[kind] * tp * efficiency / (2 * dims.active_layer_parameters * dims.num_layers)
+        source = (f"estimated per vLLM server: the whole forward at an assumed {ASSUMED_FLOPS[kind] / 1e12:g} TFLOP/s "
+                  f"effective per {kind.upper()}" + (f" x {tp} at {TP_EFFICIENCY:.0%} tensor-parallel efficiency"
+                                                     if tp > 1 else "") + " (measure it: `bench extract`)")
+    gen = cfg.data.generation
+    shared = cfg.data.regenerate and gen.engine == "openai" and bool(set(gen.endpoints) & set(ext.endpoints))
+    return {"engine": "vllm", "servers": servers, "tensor_parallel_size": tp, "spool_bytes": int(ext.spool_bytes),
+            "serving_gpus": servers * tp, "tokens_per_s_per_server": rate, "tokens_per_s_source": source,
+            "regenerates_too": shared}
+
+
+def split_alternatives(processes: int, extract_seconds: float, train_seconds: float, extractors_share: bool = True
+                       ) -> list[dict[str, Any]]:
     """Wall time of every split of `processes`. `extract_seconds` and `train_seconds` are the whole run's work
     of each role on one process (regeneration included with engine hf); a role's processes share it evenly (data shards for
-    extractors, data parallelism for trainers), and the slower role sets the pace."""
+    extractors, data parallelism for trainers), and the slower role sets the pace. Without `extractors_share`
+    (engine vllm: the servers do the work) more extractors do not make extraction faster."""
     return [
         {"extractors": processes - t, "trainers": t,
-         "wall_seconds": max(extract_seconds / (processes - t), train_seconds / t)}
+         "wall_seconds": max(extract_seconds / (processes - t if extractors_share else 1), train_seconds / t)}
         for t in range(1, processes)
     ]
 
@@ -568,7 +611,7 @@ def split_plan(cfg: Config, processes: int, work: dict[str, Any], samples: int |
     if processes == 1 or cfg.roles.mode == "single":
         return {"mode": "single", "extractors": 1, "trainers": 1, "chosen_by": "one process alternates",
                 "wall_seconds": ext + train if samples else None, "alternatives": [], "source": source}
-    alternatives = split_alternatives(processes, ext, train)
+    alternatives = split_alternatives(processes, ext, train, extractors_share=work["extract"]["engine"] == "hf")
     best = best_split(alternatives)
     configured = cfg.roles.trainers
     chosen = best if configured == "auto" else next((a for a in alternatives if a["trainers"] == configured), None)
@@ -604,14 +647,23 @@ def plan_roles(cfg: Config, processes: int, allow_download: bool = False) -> dic
     return split_plan(cfg, processes, role_work(cfg, shape, layer_ids, mean, tune), None)
 
 
-def gpu_count(cfg: Config, processes: int) -> dict[str, int]:
-    """GPUs the run occupies: the launch's processes (one GPU each) and, with engine openai, the servers beside
-    it (endpoints x gpus_per_endpoint, only when data.regenerate asks them). All 0 on CPU (target.device cpu)."""
+def gpu_count(cfg: Config, processes: int, trainers: int) -> dict[str, int]:
+    """GPUs the run occupies: the launch's processes (one GPU each; with extract.engine vllm only the trainers,
+    the extractors asking the servers from CPU processes), the extraction servers (extract.endpoints x
+    extract.tensor_parallel_size) and the regeneration servers that are not also extraction servers
+    (data.generation.endpoints x gpus_per_endpoint, only when data.regenerate asks them). All 0 on CPU."""
     if device_kind(cfg) == "cpu":
-        return {"launch": 0, "serving": 0, "total": 0}
-    gen = cfg.data.generation
-    serving = len(gen.endpoints) * gen.gpus_per_endpoint if cfg.data.regenerate and gen.engine == "openai" else 0
-    return {"launch": processes, "serving": serving, "total": processes + serving}
+        return {"launch": 0, "extraction_servers": 0, "regeneration_servers": 0, "serving": 0, "total": 0}
+    gen, ext = cfg.data.generation, cfg.extract
+    vllm = ext.engine == "vllm"
+    extracting = ext.endpoints if vllm else []
+    regenerating = [u for u in gen.endpoints if u not in extracting] if cfg.data.regenerate and gen.engine == "openai" \
+        else []
+    out = {"launch": trainers if vllm else processes, "extraction_servers": len(extracting) * ext.tensor_parallel_size,
+           "regeneration_servers": len(regenerating) * gen.gpus_per_endpoint}
+    out["serving"] = out["extraction_servers"] + out["regeneration_servers"]
+    out["total"] = out["launch"] + out["serving"]
+    return out
 
 
 def _time_plan(cfg: Config, shape: TargetShape, layer_ids: list[int], work: dict[str, Any], roles: dict[str, Any],
@@ -625,6 +677,8 @@ def _time_plan(cfg: Config, shape: TargetShape, layer_ids: list[int], work: dict
     overlapped = roles["mode"] == "split"
     extractors, trainers = roles["extractors"], roles["trainers"]
     regen = work["regenerate"]
+    vllm = work["extract"]["engine"] == "vllm"
+    computing = work["extract"]["servers"] if vllm else extractors  # the processes whose forwards extract
     served = bool(regen) and regen["engine"] == "openai"
     data_note = "tokenization only: seconds to minutes, before each extractor starts"
     if served:
@@ -636,7 +690,7 @@ def _time_plan(cfg: Config, shape: TargetShape, layer_ids: list[int], work: dict
                      + "; ".join(regen["assumptions"]))
     phases: dict[str, Any] = {
         "data": {"source": data_note},
-        "extract": {"tok_s_per_process": work["extract_tok_s"], "processes": extractors,
+        "extract": {"tok_s_per_process": work["extract_tok_s"], "processes": computing,
                     "source": work["extract_source"]},
         "train": {"tok_s_per_process": work["train_tok_s"], "processes": trainers, "source": work["train_source"]},
         "store": {"encode_bytes_per_s": codecs.get(cfg.store.codec).design_encode_bytes_per_core_s,
@@ -649,21 +703,23 @@ def _time_plan(cfg: Config, shape: TargetShape, layer_ids: list[int], work: dict
                                source=f"measured by tune ({tune.get('device', '?')}), encode + write; beside the forward")
     out = {"processes": processes, "overlapped": overlapped, "phases": phases, "regenerate": regen,
            "regenerate_seconds": None, "extract_side_seconds": None, "total_seconds": None,
-           "gpus": gpu_count(cfg, processes)}
+           "gpus": gpu_count(cfg, processes, trainers)}
     if not tokens:
         return out
     # hf: each extractor regenerates its shard; openai: the endpoints share all the answers, whatever the split.
     regen_s = samples * regen["seconds_per_sample"] / (1 if served else extractors) if regen else 0.0
     if regen:
         phases["data"]["seconds"] = out["regenerate_seconds"] = regen_s
-    phases["extract"]["seconds"] = tokens * cfg.extraction_passes / (work["extract_tok_s"] * extractors)
+    phases["extract"]["seconds"] = tokens * cfg.extraction_passes / (work["extract_tok_s"] * computing)
     phases["train"]["seconds"] = tokens * cfg.train.epochs / (work["train_tok_s"] * trainers)
     raw = tokens * cfg.extraction_passes * shape.hidden_size * len(layer_ids) * 2
     phases["store"]["encode_cpu_seconds"] = raw / phases["store"]["encode_bytes_per_s"]
     extract_s, train_s = phases["extract"]["seconds"], phases["train"]["seconds"]
     # hf: an extractor decodes, then extracts; openai: the servers answer beside the launch, and the extractors
     # extract each window as soon as its answers are in, so the slower of the two sets the extraction side's pace.
-    ext_s = out["extract_side_seconds"] = max(regen_s, extract_s) if served else regen_s + extract_s
+    # (With engine vllm on the regeneration servers themselves, they answer and extract in turn.)
+    shared = vllm and work["extract"]["regenerates_too"]
+    ext_s = out["extract_side_seconds"] = max(regen_s, extract_s) if served and not shared else regen_s + extract_s
     if overlapped:  # split roles stream: the slower side sets the pace
         out["total_seconds"] = max(ext_s, train_s)
     elif served:  # one process alternates extraction and training while the servers answer beside it
@@ -799,7 +855,12 @@ def render_plan(plan: dict[str, Any]) -> str:
     out += ["", *_render_roles(plan["launch"], plan["roles"])]
     mode = "extractors and trainers side by side" if tp["overlapped"] else "one process alternates"
     out += ["", f"time  ({tp['processes']} process(es), {mode})"]
-    out.append(f"  {_fmt_gpus(tp['gpus'], tp['regenerate'])}")
+    out.append(f"  {_fmt_gpus(tp['gpus'], tp['regenerate'], plan['extract'])}")
+    x = plan["extract"]
+    if x["engine"] == "vllm":
+        out.append(f"  states from {x['servers']} vLLM server(s) of {x['tensor_parallel_size']} GPU(s) through the spool "
+                   f"{x['spool']} (at most {fmt_bytes(x['spool_bytes'])} in flight, shared by the extractors); "
+                   "`dflash-stream serve-command` prints how to start them")
     out += [f"  kernels: {k}" for k in plan.get("kernels", [])]
     data = tp["phases"]["data"]
     r = tp["regenerate"]
@@ -856,12 +917,20 @@ def render_disk(disk: dict[str, Any]) -> list[str]:
     return out
 
 
-def _fmt_gpus(gpus: dict[str, int], regen: dict[str, Any] | None) -> str:
-    """'GPUs: 4 in the launch + 4 serving (4 endpoints x 1) = 8'."""
+def _fmt_gpus(gpus: dict[str, int], regen: dict[str, Any] | None, extract: dict[str, Any]) -> str:
+    """'GPUs: 4 in the launch + 4 serving (4 regeneration endpoints x 1) = 8'."""
     if not gpus["total"]:
         return "GPUs: none (target.device cpu)"
-    served = f" ({regen['endpoints']} endpoints x {regen['gpus_per_endpoint']})" if gpus["serving"] else ""
-    return f"GPUs: {gpus['launch']} in the launch + {gpus['serving']} serving{served} = {gpus['total']}"
+    parts = []
+    if gpus["extraction_servers"]:
+        parts.append(f"{extract['servers']} vLLM extraction server(s) x TP {extract['tensor_parallel_size']}"
+                     + (", answering the regeneration requests too" if extract["regenerates_too"] else ""))
+    if gpus["regeneration_servers"]:
+        parts.append(f"{gpus['regeneration_servers'] // regen['gpus_per_endpoint']} endpoints x "
+                     f"{regen['gpus_per_endpoint']}")
+    served = f" ({'; '.join(parts)})" if parts else ""
+    launch = " (trainers; the extractors ask the servers from CPU processes)" if extract["engine"] == "vllm" else ""
+    return f"GPUs: {gpus['launch']} in the launch{launch} + {gpus['serving']} serving{served} = {gpus['total']}"
 
 
 def _render_roles(launch: dict[str, Any], roles: dict[str, Any]) -> list[str]:
