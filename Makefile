@@ -22,12 +22,14 @@ demo: setup
 	rm -rf runs/demo
 	$(BIN)/accelerate launch --config_file launch/cpu-2proc.yaml -m dflash_stream run --config configs/demo.yaml
 
-# The demo with the answers written by a local server (vLLM's CPU build after `make vllm-env`, else transformers
-# serve): data.generation.engine openai, as a GPU job would use vLLM or SGLang servers. Into runs/demo-served.
+# The demo with a local server doing the target's work (vLLM's CPU build after `make vllm-env`, else transformers
+# serve): the answers (data.generation.engine openai) and, with vLLM, the hidden states (extract.engine vllm), as a
+# GPU job would use vLLM servers. Into runs/demo-served.
 demo-served: setup
 	$(BIN)/python scripts/demo_served.py
 
-test: setup
+# The tests against a real vLLM server need vLLM's CPU build: made first when missing (a couple of minutes).
+test: setup vllm-env
 	$(BIN)/python -m pytest -q
 
 lint: setup

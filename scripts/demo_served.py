@@ -1,13 +1,16 @@
-"""The CPU demo with its answers written by a serving engine (data.generation.engine: openai) instead of
-`model.generate` in the extractor:
+"""The CPU demo with a serving engine doing the target's work: the answers (data.generation.engine: openai)
+instead of `model.generate` in the extractor and, with vLLM, the hidden states too (extract.engine: vllm)
+instead of the extractor's own forward:
 
     make demo-served                       # vLLM's CPU build (`make vllm-env` first), else transformers serve
-    .venv/bin/python scripts/demo_served.py --server transformers
+    .venv/bin/python scripts/demo_served.py --server transformers      # answers only: it computes no states
 
 It converts the demo's GGUF target to safetensors once (servers load folders), starts the server on a free
-local port, runs the demo's main job (`accelerate launch ... run --config configs/demo.yaml`) into
-runs/demo-served with the server as its only endpoint, and stops the server. The extractor still runs the GGUF
-target to capture hidden states: the same weights, dequantized the same way.
+local port (vLLM with `serve-command`'s extraction flags, its spool in runs/demo-served/spool), runs the demo's
+main job (`accelerate launch ... run --config configs/demo.yaml`) into runs/demo-served with the server as its
+only endpoint, and stops the server. With vLLM no process of the job loads the target's weights to extract (the
+trainer still reads the embedding and LM head, and the closing eval runs the GGUF target); with transformers
+serve the extractor runs the GGUF target to capture the states: the same weights, dequantized the same way.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from dflash_stream.config import load_config
 from dflash_stream.log import setup_logging
 from dflash_stream.regenerate.servers import LocalServer, safetensors_copy, vllm_python
 from dflash_stream.target_model.loading import load_tokenizer
+from dflash_stream.target_model.vllm_serve import extraction_args, run_layer_ids, server_env
 
 REPO = Path(__file__).resolve().parents[1]
 OUTPUT = REPO / "runs" / "demo-served"
@@ -38,16 +42,23 @@ def main() -> int:
     setup_logging("demo-served")
     model_dir = safetensors_copy(cfg.target, load_tokenizer(cfg.target), REPO / "runs" / "bench-regenerate")
     subprocess.run(["rm", "-rf", str(OUTPUT)], check=True)  # a fresh run, as `make demo`
-    extra = ("--dtype", "float32", "--max-model-len", "1024") if kind == "vllm" else ("--dtype", "float32")
-    with LocalServer(kind, model_dir, OUTPUT.with_name("demo-served-server.log"), extra_args=extra) as server:
+    with LocalServer(kind, model_dir, OUTPUT.with_name("demo-served-server.log"), extra_args=("--dtype", "float32")
+                     ) as server:
+        overrides = [f"--output_dir={OUTPUT}", f"--store.path={OUTPUT / 'store'}", "--data.generation.engine=openai",
+                     f"--data.generation.endpoints=[{server.url}]"]
+        env = {}
+        if kind == "vllm":  # the states from the same server: the flags `dflash-stream serve-command` prints
+            overrides += ["--extract.engine=vllm", f"--extract.endpoints=[{server.url}]",
+                          f"--extract.spool={OUTPUT / 'spool'}"]
+            served = load_config(REPO / "configs" / "demo.yaml", overrides)
+            server.extra_args = (*extraction_args(served, run_layer_ids(served)), "--enforce-eager")
+            env = server_env()
         print(f"demo-served: starting {kind} on {model_dir} (log {server.log_path})", flush=True)
-        server.start()
+        server.start(env)
         print(f"demo-served: {kind} ready after {server.wait_ready(900):.0f} s at {server.url}", flush=True)
         command = [
             str(Path(sys.executable).with_name("accelerate")), "launch", "--config_file", "launch/cpu-2proc.yaml",
-            "-m", "dflash_stream", "run", "--config", "configs/demo.yaml", f"--output_dir={OUTPUT}",
-            f"--store.path={OUTPUT / 'store'}", "--data.generation.engine=openai",
-            f"--data.generation.endpoints=[{server.url}]",
+            "-m", "dflash_stream", "run", "--config", "configs/demo.yaml", *overrides,
         ]
         print("demo-served: " + " ".join(command), flush=True)
         return subprocess.run(command, cwd=REPO).returncode

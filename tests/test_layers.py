@@ -18,8 +18,8 @@ PACKAGE = Path(__file__).resolve().parent.parent / "dflash_stream"
 
 LAYERS = [
     {"__init__", "config", "diskfull", "errors", "log", "preflight", "rundir"},  # the base every part may use
-    {"vllm_plugin"},  # runs inside vLLM's own environment: imports no part at all (tests/test_vllm_serve.py)
     {"data"},
+    {"vllm_plugin"},  # runs inside vLLM's own environment: imports no part at all (tests/test_vllm_serve.py)
     {"target_model"},
     {"regenerate"},  # the target's answers to the data's prompts, from servers, into the response cache
     {"store"},

@@ -1,15 +1,28 @@
 """`dflash-stream bench extract`: capture hooks + early stop against a plain `output_hidden_states` forward, and
-how long the extractor's forward loop waits on a store that has room.
+how long the extractor's forward loop waits on a store that has room; with `--engines hf,vllm`, the extractor
+against the same samples' states from a local vLLM server (extract.engine vllm).
 
 Both forwards run on the same length-sorted batches of the demo data, alternating, best of `--repeats`, on the
 real demo target (or `--model`). The store figure comes from a full `Extractor` run into a real store.
+
+`engines` times each engine end to end on the same samples into a fresh store: `hf` is the extractor's own
+forward (the `extract_tok_s` above), `vllm` a vLLM server from `.venv-vllm` (`make vllm-env`) started with
+`serve-command`'s flags on the target (a GGUF one converted to safetensors once, into --workdir) and the
+served extractor asking it; its start-up is timed apart. `max_rel_vs_hf` is the worst layer's
+max |vLLM - ours| / max |ours| over every token of the samples, vLLM's states as the server wrote them and ours as
+the store keeps them (bf16).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
+import os
+import shutil
+import signal
 import statistics
+import sys
 import tempfile
 import time
 from importlib.resources import files
@@ -18,18 +31,20 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dflash_stream.config import DEMO_GGUF, DEMO_MODEL, config_from_dict
+from dflash_stream.config import DEMO_GGUF, DEMO_MODEL, ConfigError, config_from_dict
 from dflash_stream.data import prepare_shard, token_budget_batches
 from dflash_stream.log import setup_logging
 from dflash_stream.observe.metrics import MetricsWriter
 from dflash_stream.pipeline.common import open_store
 from dflash_stream.pipeline.roles import RoleInfo
+from dflash_stream.regenerate.servers import safetensors_copy
 from dflash_stream.target_model.capture import LayerCapture
 from dflash_stream.target_model.layers import resolve_layer_ids
 from dflash_stream.target_model.loading import load_target, resolve_device
 from dflash_stream.target_model.shape import model_shape
 
-TARGETS = {"speedup": 1.25, "store_wait_fraction": 0.05}
+TARGETS = {"speedup": 1.25, "store_wait_fraction": 0.05, "max_rel_vs_hf": 5e-3}
+ENGINES = ("hf", "vllm")
 
 
 def register_bench(sub: argparse._SubParsersAction) -> None:
@@ -40,6 +55,12 @@ def register_bench(sub: argparse._SubParsersAction) -> None:
     bench.add_argument("--rows", type=int, default=20, help="rows of each of two demo files (about 140 tokens each)")
     bench.add_argument("--batch-tokens", type=int, default=2048)
     bench.add_argument("--repeats", type=int, default=2)
+    bench.add_argument("--engines", default="hf",
+                        help=f"comma-separated, of {', '.join(ENGINES)}: time each into a store and compare vLLM's "
+                             "states with ours (default hf)")
+    bench.add_argument("--workdir", default="runs/bench-extract",
+                       help="the converted target, the vLLM server's log and spool (default runs/bench-extract)")
+    bench.add_argument("--startup-timeout", type=float, default=900.0, help="seconds the vLLM server may take")
     bench.add_argument("--json", action="store_true")
     bench.set_defaults(func=bench_extract)
 
@@ -66,6 +87,9 @@ def _timed(fn, batches, device: torch.device) -> float:
 
 
 def bench_extract(args: argparse.Namespace) -> int:
+    engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+    if not engines or any(e not in ENGINES for e in engines):
+        raise ConfigError(f"--engines: {args.engines!r}; allowed: a comma-separated list of {', '.join(ENGINES)}")
     setup_logging("bench", 0, show_bar=False)
     work = Path(tempfile.mkdtemp(prefix="dflash-bench-extract-"))
     demo = Path(str(files("dflash_stream") / "demo_data"))
@@ -107,6 +131,18 @@ def bench_extract(args: argparse.Namespace) -> int:
     extractor = Extractor(cfg, RoleInfo("extractor", 0, 1, 0, 1), store, metrics, device, target=(model, tokenizer))
     extractor.run()
     metrics.close()
+    hf_rate = round(extractor.tokens_written / extractor.extract_seconds, 1)
+    served = None
+    if "vllm" in engines:
+        ours = {s.sample_id: capture(torch.from_numpy(s.input_ids.astype(np.int64))[None].to(device),
+                                     torch.ones((1, s.num_tokens), dtype=torch.long, device=device))[0].cpu()
+                for s in samples}
+        model_dir = safetensors_copy(cfg.target, tokenizer, Path(args.workdir), model)
+        capture.close()
+        del model, capture, extractor
+        gc.collect()  # the server gets the memory and the cores
+        served = bench_vllm(cfg, model_dir, layer_ids, shape.hidden_size, samples, ours, Path(args.workdir),
+                            args.startup_timeout)
 
     result = {
         "model": f"{args.model}{'/' + args.gguf_file if args.gguf_file else ''}",
@@ -121,18 +157,84 @@ def bench_extract(args: argparse.Namespace) -> int:
         "full_forward_tok_s": round(tokens / min(full), 1),
         "speedup": round(min(full) / min(hooks), 3),
         "speedup_median": round(statistics.median(full) / statistics.median(hooks), 3),
-        "extract_tok_s": round(extractor.tokens_written / extractor.extract_seconds, 1),
+        "extract_tok_s": hf_rate,
         "store_wait_seconds": round(extractor.backpressure_seconds, 3),
         "store_wait_fraction": round(extractor.backpressure_seconds / extractor.extract_seconds, 4),
+        "engines": {"hf": {"tokens_per_s": hf_rate}, **({"vllm": served} if served is not None else {})},
         "targets": TARGETS,
     }
     if args.json:
         print(json.dumps(result, indent=2))
     else:
         for key, value in result.items():
-            if key == "targets":
+            if key in ("targets", "engines"):
                 continue
             target = TARGETS.get(key)
             beside = "" if target is None else f"   (target {'>=' if key == 'speedup' else '<='} {target})"
             print(f"{key:<22} {value}{beside}")
-    return 0
+        for name, entry in result["engines"].items():
+            print(f"engine {name:<15} " + ", ".join(f"{k} {v}" for k, v in entry.items())
+                  + (f"   (target max_rel_vs_hf <= {TARGETS['max_rel_vs_hf']})" if "max_rel_vs_hf" in entry else ""))
+    return 1 if served is not None and "error" in served else 0
+
+
+def bench_vllm(cfg, model_dir: Path, layer_ids: list[int], hidden_size: int, samples, ours: dict[int, torch.Tensor],
+               workdir: Path, startup_timeout: float) -> dict:
+    """Start a vLLM extraction server on `model_dir`, time the served extractor into a fresh store on `samples`,
+    then ask for every sample's states once more and compare them, as the server wrote them, with `ours`."""
+    from dflash_stream.bench.regenerate import VLLM_ENV_COMMAND, vllm_env
+    from dflash_stream.pipeline.served_extractor import ServedExtractor
+    from dflash_stream.regenerate.servers import LocalServer, ServerError, vllm_python
+    from dflash_stream.target_model.served_states import Failed, StateClient
+    from dflash_stream.target_model.vllm_serve import extraction_args, server_env, spool_dir
+
+    python = vllm_python()
+    if not python.exists():
+        return {"skipped": f"no vLLM environment ({python} not found)", "command": VLLM_ENV_COMMAND}
+    spool = (workdir / "spool").absolute()
+    shutil.rmtree(spool, ignore_errors=True)
+    log_path = workdir / "logs" / "vllm-extract.log"
+    log_path.unlink(missing_ok=True)
+    # A SIGTERM (a timeout, the user) ends the bench through the `with`, which stops the server.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    with LocalServer("vllm", model_dir, log_path, python=python, kv_cache_gib=1) as server:
+        served_cfg = cfg.model_copy(update={
+            "output_dir": str(workdir / "served"),
+            "extract": cfg.extract.model_copy(update={"engine": "vllm", "endpoints": [server.url], "spool": str(spool)}),
+            "store": cfg.store.model_copy(update={"path": str(workdir / "served" / "store")})})
+        shutil.rmtree(workdir / "served", ignore_errors=True)
+        server.extra_args = (*extraction_args(served_cfg, layer_ids), "--enforce-eager")
+        env = {**server_env(), **vllm_env("all", len(os.sched_getaffinity(0)))[0]}
+        try:
+            server.start(env)
+            startup = server.wait_ready(startup_timeout)
+        except ServerError as err:
+            return {"error": str(err).splitlines()[0], "log": str(log_path)}
+        store = open_store(served_cfg, layer_ids, hidden_size)
+        metrics = MetricsWriter(workdir / "served", "extractor", 0)
+        extractor = ServedExtractor(served_cfg, RoleInfo("extractor", 0, 1, 0, 1), store, metrics, torch.device("cpu"))
+        extractor.run()
+        metrics.close()
+        rate = extractor.tokens_written / extractor.extract_seconds
+        client = StateClient(served_cfg.extract, spool_dir(served_cfg), layer_ids, hidden_size, "bench-compare",
+                             int(served_cfg.extract.spool_bytes), served_cfg.data.max_length)
+        client.start()
+        worst_diff, largest = torch.zeros(len(layer_ids)), torch.zeros(len(layer_ids))
+        try:
+            for sample in samples:
+                client.submit(sample.sample_id, sample.input_ids.tolist(), None)
+                served = client.next()
+                if isinstance(served, Failed):
+                    return {"error": f"sample {served.key}: {served.error}", "log": str(log_path)}
+                theirs = served.states.float().view(sample.num_tokens, len(layer_ids), -1)
+                mine = ours[sample.sample_id].float().view(theirs.shape)
+                worst_diff = torch.maximum(worst_diff, (theirs - mine).abs().amax(dim=(0, 2)))
+                largest = torch.maximum(largest, mine.abs().amax(dim=(0, 2)))
+                served.release()
+        finally:
+            client.close()
+        dtype = str(served.states.dtype).removeprefix("torch.")
+    per_layer = (worst_diff / largest).tolist()
+    return {"tokens_per_s": round(rate, 1), "max_rel_vs_hf": round(max(per_layer), 6),
+            "startup_seconds": round(startup, 1), "max_rel_per_layer": [round(v, 6) for v in per_layer],
+            "server_dtype": dtype, "samples": len(samples), "log": str(log_path)}
