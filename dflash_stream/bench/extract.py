@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dflash_stream.config import DEMO_GGUF, DEMO_MODEL, ConfigError, config_from_dict
+from dflash_stream.config import DEMO_GGUF, DEMO_MODEL, ConfigError, config_from_dict, endpoint_base_url
 from dflash_stream.data import prepare_shard, token_budget_batches
 from dflash_stream.log import setup_logging
 from dflash_stream.observe.metrics import MetricsWriter
@@ -61,6 +61,12 @@ def register_bench(sub: argparse._SubParsersAction) -> None:
     bench.add_argument("--workdir", default="runs/bench-extract",
                        help="the converted target, the vLLM server's log and spool (default runs/bench-extract)")
     bench.add_argument("--startup-timeout", type=float, default=900.0, help="seconds the vLLM server may take")
+    bench.add_argument("--endpoint", default=None, metavar="URL",
+                       help="with --engines ...,vllm: measure this vLLM server instead of starting one (started with "
+                            "`serve-command`'s flags for this target and --capture-layers; its tok/s is what "
+                            "extract.tokens_per_s takes)")
+    bench.add_argument("--spool", default=None, help="with --endpoint: the spool that server writes into")
+    bench.add_argument("--capture-layers", type=int, default=5, help="target.num_capture_layers (default 5)")
     bench.add_argument("--json", action="store_true")
     bench.set_defaults(func=bench_extract)
 
@@ -90,12 +96,15 @@ def bench_extract(args: argparse.Namespace) -> int:
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     if not engines or any(e not in ENGINES for e in engines):
         raise ConfigError(f"--engines: {args.engines!r}; allowed: a comma-separated list of {', '.join(ENGINES)}")
+    if args.endpoint and not args.spool:
+        raise ConfigError("--endpoint: give the server's spool too (--spool DIR)")
     setup_logging("bench", 0, show_bar=False)
     work = Path(tempfile.mkdtemp(prefix="dflash-bench-extract-"))
     demo = Path(str(files("dflash_stream") / "demo_data"))
     cfg = config_from_dict({
         "output_dir": str(work),
-        "target": {"model": args.model, "gguf_file": args.gguf_file or None, "device": args.device},
+        "target": {"model": args.model, "gguf_file": args.gguf_file or None, "device": args.device,
+                   "num_capture_layers": args.capture_layers},
         "data": {"sources": [{"path": str(demo / "sharegpt_chats.jsonl"), "limit": args.rows},
                              {"path": str(demo / "openai_messages.jsonl"), "limit": args.rows}]},
         "extract": {"batch_tokens": args.batch_tokens},
@@ -132,22 +141,33 @@ def bench_extract(args: argparse.Namespace) -> int:
     extractor.run()
     metrics.close()
     hf_rate = round(extractor.tokens_written / extractor.extract_seconds, 1)
+    store_wait = (round(extractor.backpressure_seconds, 3),
+                  round(extractor.backpressure_seconds / extractor.extract_seconds, 4))
+    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     served = None
     if "vllm" in engines:
         ours = {s.sample_id: capture(torch.from_numpy(s.input_ids.astype(np.int64))[None].to(device),
                                      torch.ones((1, s.num_tokens), dtype=torch.long, device=device))[0].cpu()
                 for s in samples}
-        model_dir = safetensors_copy(cfg.target, tokenizer, Path(args.workdir), model)
         capture.close()
-        del model, capture, extractor
-        gc.collect()  # the server gets the memory and the cores
-        served = bench_vllm(cfg, model_dir, layer_ids, shape.hidden_size, samples, ours, Path(args.workdir),
-                            args.startup_timeout)
+        workdir = Path(args.workdir)
+        if args.endpoint:
+            del model, capture, extractor
+            gc.collect()
+            served = measure_vllm(_served(cfg, endpoint_base_url(args.endpoint), Path(args.spool).absolute(), workdir),
+                                  layer_ids, shape.hidden_size, samples, ours)
+            served["startup_seconds"] = None  # a server the bench did not start
+        else:
+            model_dir = safetensors_copy(cfg.target, tokenizer, workdir, model)
+            del model, capture, extractor
+            gc.collect()  # the server gets the memory and the cores
+            served = bench_vllm(cfg, model_dir, layer_ids, shape.hidden_size, samples, ours, workdir,
+                                args.startup_timeout)
 
     result = {
         "model": f"{args.model}{'/' + args.gguf_file if args.gguf_file else ''}",
         "device": str(device),
-        "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+        "dtype": dtype,
         "layer_ids": layer_ids,
         "num_layers": shape.num_layers,
         "samples": len(samples),
@@ -158,8 +178,8 @@ def bench_extract(args: argparse.Namespace) -> int:
         "speedup": round(min(full) / min(hooks), 3),
         "speedup_median": round(statistics.median(full) / statistics.median(hooks), 3),
         "extract_tok_s": hf_rate,
-        "store_wait_seconds": round(extractor.backpressure_seconds, 3),
-        "store_wait_fraction": round(extractor.backpressure_seconds / extractor.extract_seconds, 4),
+        "store_wait_seconds": store_wait[0],
+        "store_wait_fraction": store_wait[1],
         "engines": {"hf": {"tokens_per_s": hf_rate}, **({"vllm": served} if served is not None else {})},
         "targets": TARGETS,
     }
@@ -180,13 +200,11 @@ def bench_extract(args: argparse.Namespace) -> int:
 
 def bench_vllm(cfg, model_dir: Path, layer_ids: list[int], hidden_size: int, samples, ours: dict[int, torch.Tensor],
                workdir: Path, startup_timeout: float) -> dict:
-    """Start a vLLM extraction server on `model_dir`, time the served extractor into a fresh store on `samples`,
-    then ask for every sample's states once more and compare them, as the server wrote them, with `ours`."""
+    """Start a vLLM extraction server on `model_dir` with `serve-command`'s flags, measure it (`measure_vllm`),
+    stop it; its start-up is timed apart."""
     from dflash_stream.bench.regenerate import VLLM_ENV_COMMAND, vllm_env
-    from dflash_stream.pipeline.served_extractor import ServedExtractor
     from dflash_stream.regenerate.servers import LocalServer, ServerError, vllm_python
-    from dflash_stream.target_model.served_states import Failed, StateClient
-    from dflash_stream.target_model.vllm_serve import extraction_args, server_env, spool_dir
+    from dflash_stream.target_model.vllm_serve import extraction_args, server_env
 
     python = vllm_python()
     if not python.exists():
@@ -198,11 +216,7 @@ def bench_vllm(cfg, model_dir: Path, layer_ids: list[int], hidden_size: int, sam
     # A SIGTERM (a timeout, the user) ends the bench through the `with`, which stops the server.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     with LocalServer("vllm", model_dir, log_path, python=python, kv_cache_gib=1) as server:
-        served_cfg = cfg.model_copy(update={
-            "output_dir": str(workdir / "served"),
-            "extract": cfg.extract.model_copy(update={"engine": "vllm", "endpoints": [server.url], "spool": str(spool)}),
-            "store": cfg.store.model_copy(update={"path": str(workdir / "served" / "store")})})
-        shutil.rmtree(workdir / "served", ignore_errors=True)
+        served_cfg = _served(cfg, server.url, spool, workdir)
         server.extra_args = (*extraction_args(served_cfg, layer_ids), "--enforce-eager")
         env = {**server_env(), **vllm_env("all", len(os.sched_getaffinity(0)))[0]}
         try:
@@ -210,31 +224,51 @@ def bench_vllm(cfg, model_dir: Path, layer_ids: list[int], hidden_size: int, sam
             startup = server.wait_ready(startup_timeout)
         except ServerError as err:
             return {"error": str(err).splitlines()[0], "log": str(log_path)}
-        store = open_store(served_cfg, layer_ids, hidden_size)
-        metrics = MetricsWriter(workdir / "served", "extractor", 0)
-        extractor = ServedExtractor(served_cfg, RoleInfo("extractor", 0, 1, 0, 1), store, metrics, torch.device("cpu"))
-        extractor.run()
-        metrics.close()
-        rate = extractor.tokens_written / extractor.extract_seconds
-        client = StateClient(served_cfg.extract, spool_dir(served_cfg), layer_ids, hidden_size, "bench-compare",
-                             int(served_cfg.extract.spool_bytes), served_cfg.data.max_length)
-        client.start()
-        worst_diff, largest = torch.zeros(len(layer_ids)), torch.zeros(len(layer_ids))
-        try:
-            for sample in samples:
-                client.submit(sample.sample_id, sample.input_ids.tolist(), None)
-                served = client.next()
-                if isinstance(served, Failed):
-                    return {"error": f"sample {served.key}: {served.error}", "log": str(log_path)}
-                theirs = served.states.float().view(sample.num_tokens, len(layer_ids), -1)
-                mine = ours[sample.sample_id].float().view(theirs.shape)
-                worst_diff = torch.maximum(worst_diff, (theirs - mine).abs().amax(dim=(0, 2)))
-                largest = torch.maximum(largest, mine.abs().amax(dim=(0, 2)))
-                served.release()
-        finally:
-            client.close()
-        dtype = str(served.states.dtype).removeprefix("torch.")
+        entry = measure_vllm(served_cfg, layer_ids, hidden_size, samples, ours)
+    return {**entry, "startup_seconds": round(startup, 1), "log": str(log_path)}
+
+
+def _served(cfg, url: str, spool: Path, workdir: Path):
+    """The bench's config with extract.engine vllm at `url`, writing into a fresh store under `workdir`."""
+    shutil.rmtree(workdir / "served", ignore_errors=True)
+    return cfg.model_copy(update={
+        "output_dir": str(workdir / "served"),
+        "extract": cfg.extract.model_copy(update={"engine": "vllm", "endpoints": [url], "spool": str(spool)}),
+        "store": cfg.store.model_copy(update={"path": str(workdir / "served" / "store")})})
+
+
+def measure_vllm(served_cfg, layer_ids: list[int], hidden_size: int, samples, ours: dict[int, torch.Tensor]) -> dict:
+    """Time the served extractor into a fresh store on `samples`, then ask for every sample's states once more and
+    compare them, as the server wrote them, with `ours` (per layer over all tokens)."""
+    from dflash_stream.pipeline.served_extractor import ServedExtractor
+    from dflash_stream.target_model.served_states import Failed, StateClient
+    from dflash_stream.target_model.vllm_serve import spool_dir
+
+    store = open_store(served_cfg, layer_ids, hidden_size)
+    metrics = MetricsWriter(served_cfg.output_dir, "extractor", 0)
+    extractor = ServedExtractor(served_cfg, RoleInfo("extractor", 0, 1, 0, 1), store, metrics, torch.device("cpu"))
+    extractor.run()
+    metrics.close()
+    rate = extractor.tokens_written / extractor.extract_seconds
+    client = StateClient(served_cfg.extract, spool_dir(served_cfg), layer_ids, hidden_size, "bench-compare",
+                         int(served_cfg.extract.spool_bytes), served_cfg.data.max_length)
+    client.start()
+    worst_diff, largest = torch.zeros(len(layer_ids)), torch.zeros(len(layer_ids))
+    try:
+        for sample in samples:
+            client.submit(sample.sample_id, sample.input_ids.tolist(), None)
+            served = client.next()
+            if isinstance(served, Failed):
+                return {"error": f"sample {served.key}: {served.error}"}
+            theirs = served.states.float().view(sample.num_tokens, len(layer_ids), -1)
+            mine = ours[sample.sample_id].float().view(theirs.shape)
+            worst_diff = torch.maximum(worst_diff, (theirs - mine).abs().amax(dim=(0, 2)))
+            largest = torch.maximum(largest, mine.abs().amax(dim=(0, 2)))
+            dtype = str(served.states.dtype).removeprefix("torch.")
+            served.release()
+    finally:
+        client.close()
     per_layer = (worst_diff / largest).tolist()
     return {"tokens_per_s": round(rate, 1), "max_rel_vs_hf": round(max(per_layer), 6),
-            "startup_seconds": round(startup, 1), "max_rel_per_layer": [round(v, 6) for v in per_layer],
-            "server_dtype": dtype, "samples": len(samples), "log": str(log_path)}
+            "max_rel_per_layer": [round(v, 6) for v in per_layer], "server_dtype": dtype,
+            "samples": len(samples), "tokens": extractor.tokens_written}

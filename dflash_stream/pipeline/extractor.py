@@ -255,6 +255,7 @@ class Extractor:
                         self.health.check(p, stored[-1].hidden_states)
                 start = end
             info = self.writer.write(stored, pass_index=part["pass_index"], first_use=part["first_use"], replaces=tag)
+            self.health.segment([s.sample_id for s in stored])  # checked above; only new segments are logged
             log.info("extracted the %d sample(s) of quarantined part %s again: segment %s (from use %d)",
                      len(stored), tag, info.segment_id, part["first_use"])
         return len(requests)

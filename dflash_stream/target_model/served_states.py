@@ -219,12 +219,11 @@ class StateClient:
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             self._raise_fatal()
-            left = None if deadline is None else deadline - time.monotonic()
+            wait = 0.5 if deadline is None else min(0.5, deadline - time.monotonic())
             try:
-                outcome = self._results.get(timeout=0.5 if left is None else min(0.5, left)) if left is None or left > 0 \
-                    else self._results.get_nowait()
+                outcome = self._results.get(timeout=wait) if wait > 0 else self._results.get_nowait()
             except queue.Empty:
-                if left is not None and left <= 0.5:
+                if deadline is not None and time.monotonic() >= deadline:
                     return None
                 continue
             with self._freed:
