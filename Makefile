@@ -46,6 +46,7 @@ gpu-check:
 	scripts/gpu-check
 
 # vLLM's CPU build in its own environment, .venv-vllm (it pins an older transformers): for `dflash-stream bench
-# regenerate` and the vLLM test. Does nothing when it is already there.
+# regenerate`, `bench extract --engines hf,vllm`, `make demo-served` and the vLLM tests. Does nothing when it is
+# already there.
 vllm-env:
 	PY=$(PY) scripts/vllm-env

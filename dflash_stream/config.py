@@ -207,7 +207,8 @@ class ExtractConfig(Section):
     queue_size: int = Field(4, ge=1)
     """Batches waiting for device-to-host copy and encoding before the forward loop waits."""
     tokens_per_s: float | None = Field(None, gt=0)
-    """For `plan`: one extractor's throughput, when known from an earlier run."""
+    """For `plan`: one extractor's throughput, when known from an earlier run; with engine vllm one server's
+    (`dflash-stream bench extract --engines hf,vllm --endpoint URL` measures it)."""
     from_store: str | None = None
     """A kept store (extracted with the same target, layers and data, and never trained from) whose samples are
     written into store.path instead of running the target: train again with another budget, codec or epoch

@@ -28,7 +28,7 @@ from dflash_stream.pipeline.common import open_store
 from dflash_stream.pipeline.replay import make_extractor
 from dflash_stream.pipeline.roles import RoleInfo
 from dflash_stream.pipeline.served_extractor import spool_writer
-from dflash_stream.store import Store
+from dflash_stream.store import FingerprintMismatch, Store
 from dflash_stream.target_model import load_target
 from dflash_stream.target_model.capture import LayerCapture
 from dflash_stream.target_model.served_states import ServedStatesError
@@ -129,6 +129,10 @@ def test_states_equal_the_extractors_own_capture_without_loading_the_weights(vll
     report = json.loads(next((output / "data").glob("report-*.json")).read_text())
     assert samples == len(report["sample_ids"]) == 40
     assert max(worst) <= MAX_REL, worst
+    # The store records the engine: resuming it with the extractor's own forward is refused, naming the field.
+    hf = config_from_dict({**yaml.safe_load(config.read_text()), "extract": {}})
+    with pytest.raises(FingerprintMismatch, match=r"engines that computed the states \(extract.engine.*stored 'vllm'"):
+        open_store(hf, server.layer_ids, 128)
 
 
 @functools.cache

@@ -50,6 +50,9 @@ def store_fingerprint(cfg: Config, layer_ids: list[int], hidden_size: int) -> di
         "codec": cfg.store.codec,
         "data_spec": data_spec_digest(cfg),
         "data_spec_detail": data_spec_detail(cfg),  # words for a mismatch; compared only through data_spec
+        # States computed by vLLM servers differ from the extractor's own in the last bf16 bit: one store holds
+        # one engine's (absent for engine hf, as in the stores made before vLLM extraction existed).
+        **({"extract_engine": "vllm"} if cfg.extract.engine == "vllm" else {}),
     }
 
 

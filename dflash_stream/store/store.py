@@ -788,6 +788,7 @@ FIELD_WORDS = {
     "sources": "data sources (data.sources)", "system_prompt": "system prompts (data.system_prompt)",
     "regenerate": "regeneration settings (data.regenerate)", "generation": "generation settings (data.generation)",
     "min_supervised_tokens": "minimum supervised tokens (data.min_supervised_tokens)", "seed": "data seeds (data.seed)",
+    "extract_engine": "engines that computed the states (extract.engine; none stored means hf)",
 }
 """How a mismatch names each field, in words."""
 DETAIL = "_detail"
