@@ -71,6 +71,10 @@ def test_serve_command_adds_plain_regeneration_servers_and_refuses_what_it_canno
     commands = serve_commands(config_from_dict(t))
     assert [c["role"] for c in commands] == ["extraction", "extraction", "regeneration"]
     assert "--speculative-config" not in commands[2]["argv"] and commands[2]["env"] == {}
+    # target.dtype auto means bf16 on the servers' GPUs, as for the extractors' own forward there.
+    t["target"]["dtype"] = "auto"
+    argv = serve_commands(config_from_dict(t))[0]["argv"]
+    assert argv[argv.index("--dtype") + 1] == "bfloat16"
     t = tree(tmp_path, tiny_target_dir, engine="hf")
     with pytest.raises(ConfigError, match="asks no vLLM server"):
         serve_commands(config_from_dict(t))

@@ -154,15 +154,15 @@ def bench_extract(args: argparse.Namespace) -> int:
         if args.endpoint:
             del model, capture, extractor
             gc.collect()
-            served = measure_vllm(_served(cfg, endpoint_base_url(args.endpoint), Path(args.spool).absolute(), workdir),
-                                  layer_ids, shape.hidden_size, samples, ours)
+            served = measure_vllm(_served(cfg, endpoint_base_url(args.endpoint), Path(args.spool).absolute(), workdir,
+                                          dtype), layer_ids, shape.hidden_size, samples, ours)
             served["startup_seconds"] = None  # a server the bench did not start
         else:
             model_dir = safetensors_copy(cfg.target, tokenizer, workdir, model)
             del model, capture, extractor
             gc.collect()  # the server gets the memory and the cores
             served = bench_vllm(cfg, model_dir, layer_ids, shape.hidden_size, samples, ours, workdir,
-                                args.startup_timeout)
+                                args.startup_timeout, dtype)
 
     result = {
         "model": f"{args.model}{'/' + args.gguf_file if args.gguf_file else ''}",
@@ -199,7 +199,7 @@ def bench_extract(args: argparse.Namespace) -> int:
 
 
 def bench_vllm(cfg, model_dir: Path, layer_ids: list[int], hidden_size: int, samples, ours: dict[int, torch.Tensor],
-               workdir: Path, startup_timeout: float) -> dict:
+               workdir: Path, startup_timeout: float, dtype: str) -> dict:
     """Start a vLLM extraction server on `model_dir` with `serve-command`'s flags, measure it (`measure_vllm`),
     stop it; its start-up is timed apart."""
     from dflash_stream.bench.regenerate import VLLM_ENV_COMMAND, vllm_env
@@ -216,7 +216,7 @@ def bench_vllm(cfg, model_dir: Path, layer_ids: list[int], hidden_size: int, sam
     # A SIGTERM (a timeout, the user) ends the bench through the `with`, which stops the server.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     with LocalServer("vllm", model_dir, log_path, python=python, kv_cache_gib=1) as server:
-        served_cfg = _served(cfg, server.url, spool, workdir)
+        served_cfg = _served(cfg, server.url, spool, workdir, dtype)
         server.extra_args = (*extraction_args(served_cfg, layer_ids), "--enforce-eager")
         env = {**server_env(), **vllm_env("all", len(os.sched_getaffinity(0)))[0]}
         try:
@@ -228,11 +228,12 @@ def bench_vllm(cfg, model_dir: Path, layer_ids: list[int], hidden_size: int, sam
     return {**entry, "startup_seconds": round(startup, 1), "log": str(log_path)}
 
 
-def _served(cfg, url: str, spool: Path, workdir: Path):
-    """The bench's config with extract.engine vllm at `url`, writing into a fresh store under `workdir`."""
+def _served(cfg, url: str, spool: Path, workdir: Path, dtype: str):
+    """The bench's config with extract.engine vllm at `url`, writing into a fresh store under `workdir`, the
+    target in `dtype` (what hf ran: our `auto` is float32 on a CPU, vLLM's the checkpoint's, often bf16)."""
     shutil.rmtree(workdir / "served", ignore_errors=True)
     return cfg.model_copy(update={
-        "output_dir": str(workdir / "served"),
+        "output_dir": str(workdir / "served"), "target": cfg.target.model_copy(update={"dtype": dtype}),
         "extract": cfg.extract.model_copy(update={"engine": "vllm", "endpoints": [url], "spool": str(spool)}),
         "store": cfg.store.model_copy(update={"path": str(workdir / "served" / "store")})})
 

@@ -47,6 +47,12 @@ def aux_layer_ids(layer_ids: list[int]) -> list[int]:
     return [i + 1 for i in layer_ids]
 
 
+def server_dtype(cfg: Config) -> str:
+    """target.dtype for a server on GPUs: `auto` is bf16 there, as for the extractors' own forward (vLLM's own auto
+    would take the checkpoint's dtype, float16 for a float32 one)."""
+    return "bfloat16" if cfg.target.dtype == "auto" else cfg.target.dtype
+
+
 def max_model_len(cfg: Config) -> int:
     """A sample of data.max_length tokens plus the one token every extraction request generates."""
     return cfg.data.max_length + 1
@@ -61,7 +67,7 @@ def extraction_args(cfg: Config, layer_ids: list[int]) -> list[str]:
                 "kv_connector_extra_config": {"shared_storage_path": str(spool_dir(cfg)),
                                               "use_synchronization_lock": False}}
     return ["--tensor-parallel-size", str(cfg.extract.tensor_parallel_size), "--max-model-len",
-            str(max_model_len(cfg)), "--dtype", cfg.target.dtype,
+            str(max_model_len(cfg)), "--dtype", server_dtype(cfg),
             "--speculative-config", json.dumps(speculative, separators=(",", ":")),
             "--kv-transfer-config", json.dumps(transfer, separators=(",", ":"))]
 
@@ -124,7 +130,7 @@ def serve_commands(cfg: Config, model: str | None = None) -> list[dict[str, Any]
             host, listen = _listen(url)
             commands.append({"endpoint": url, "role": "regeneration", "host": host, "env": {},
                              "argv": ["vllm", "serve", *serving, *listen, "--max-model-len", str(max_model_len(cfg)),
-                                      "--dtype", cfg.target.dtype]})
+                                      "--dtype", server_dtype(cfg)]})
     if not commands:
         raise ConfigError("extract.engine: hf and no regeneration servers: this config asks no vLLM server; set "
                           "extract.engine: vllm and extract.endpoints (or data.generation.engine: openai)")
