@@ -8,9 +8,9 @@ takes no narrower) built here beside the demo tokenizer, in --workdir (default r
 
 - tensor-parallel: the server splits the target over 2 workers (`--tensor-parallel-size 2`, one core each);
   `dflash-stream extract` stores every sample's states, which are compared with the extractor's own capture.
-- server-kill: `accelerate launch ... run` (1 extractor + 1 trainer) with vLLM extraction and regeneration on the
-  server; once states are stored the server's whole process group is killed with SIGKILL and started again; the
-  run waits for it (extract.give_up_s) and finishes; the audit must be exact.
+- server-kill: `accelerate launch ... run` (1 extractor + 1 trainer) with vLLM extraction; once states are stored,
+  with extraction requests in flight, the server's whole process group is killed with SIGKILL and started again;
+  the run waits for it (extract.give_up_s) and finishes; the audit must be exact and the spool empty.
 
 Each prints what it measured and ends with `PASS` or `FAIL: why` (exit status 0 or 1).
 """
@@ -152,12 +152,12 @@ def server_kill(work: Path, target: Path) -> str | None:
     from dflash_stream.regenerate.servers import free_port
 
     url = f"http://127.0.0.1:{free_port()}/v1"
-    rows = [{"prompt": f"Question {i}: what is {i} times {i + 3}?", "response": "x"} for i in range(160)]
+    rows = [{"prompt": f"Question {i}: what is {i} times {i + 3}?",
+             "response": f"It is {i * (i + 3)}, as {i} times {i + 3} makes {i * (i + 3)}. " * 3} for i in range(300)]
     (work / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     config = run_config(work, target, url, **{
         "data.sources": [{"path": str(work / "rows.jsonl"), "format": "prompt_response"}],
-        "data.regenerate": True, "data.min_supervised_tokens": 4,
-        "data.generation": {"engine": "openai", "endpoints": [url], "max_new_tokens": 24, "concurrency": 4}})
+        "data.min_supervised_tokens": 4})
     server, env = server_for(config, work, 1)
     output = work / "out"
     with server:
@@ -185,16 +185,19 @@ def server_kill(work: Path, target: Path) -> str | None:
         code = run.wait(timeout=3600)
     log = (work / "run.log").read_text()
     say(f"run: exit {code}; " + "; ".join(line.split("] ", 1)[-1] for line in log.splitlines()
-                                          if "out of rotation" in line or "answers again" in line)[:600])
+                                          if "extraction server" in line)[:800])
     if code:
         return "the run failed:\n" + log[-3000:]
     report = audit_run(output)
     summary = json.loads((output / "summary.json").read_text())
-    say(f"audit ok: {report['ok']}; passes: {[(p['expected'], p['missing'], p['duplicated']) for p in report['passes']]}"
-        f"; samples extracted {summary['samples_extracted']}, tau {summary.get('eval', {}).get('acceptance_length')}")
+    say(f"audit ok: {report['ok']}; passes (expected, missing, duplicated): "
+        f"{[(p['expected'], p['missing'], p['duplicated']) for p in report['passes']]}; samples extracted "
+        f"{summary['samples_extracted']}")
     left = [p.name for p in (work / "spool").iterdir()]
     say(f"spool files left: {len(left)}")
-    return None if report["ok"] else f"audit not exact: {report}"
+    if "extraction server" not in log:
+        return "the kill hit no extraction request in flight (nothing to check)"
+    return None if report["ok"] and not left else f"audit not exact or spool not empty: {report}, {left[:5]}"
 
 
 def main() -> int:

@@ -4,7 +4,7 @@ Loaded by a vLLM server started with the `extract_hidden_states` speculative met
 serve-command` prints the flags) through `kv_connector_module_path`; this file imports only vLLM, torch,
 safetensors and the standard library, as it runs in vLLM's environment.
 
-It is vLLM's ExampleHiddenStatesConnector with three changes:
+It is vLLM's ExampleHiddenStatesConnector (as of vLLM 0.32, whose internals it extends) with three changes:
 
 - Only a request whose `kv_transfer_params` name a spool file (`{"dflash_spool_file": "NAME.safetensors"}`, a
   bare file name) gets a file, in the folder `kv_connector_extra_config.shared_storage_path`. Other requests
