@@ -347,7 +347,7 @@ def _cpu():
 
 def _kv_cache_gib(cfg: Config, tokens: int) -> int:
     """Whole GiB (what VLLM_CPU_KVCACHE_SPACE takes) of float32 keys and values for `tokens` tokens."""
-    from dflash_stream.target_model.loading import load_target_config
+    from dflash_stream.target_model.location import load_target_config
 
     config = load_target_config(cfg.target)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads

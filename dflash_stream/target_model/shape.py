@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash_stream.config import ConfigError, TargetConfig
+from dflash_stream.target_model.location import load_target_config, model_location
 
 FULL, SLIDING, LINEAR = "full_attention", "sliding_attention", "linear_attention"
 KV_LAYER_TYPES = (FULL, SLIDING, "chunked_attention")
@@ -222,8 +223,6 @@ def target_shape(target: TargetConfig, *, download: bool = False, hints: bool = 
     """The shape from the model's config when it is a local folder; else from the `target.*` hints (plan without
     the model at hand) unless `hints` is off; else, with `download` (a run that loads the model anyway), from
     the config on the hub. A run passes hints=False: its store must be laid out by the model itself."""
-    from dflash_stream.target_model.loading import load_target_config, model_location
-
     location, _ = model_location(target)
     if not Path(location).exists():
         if hints and target.num_layers and target.hidden_size:
