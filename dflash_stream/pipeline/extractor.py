@@ -30,11 +30,13 @@ from dflash_stream.pipeline.common import (
     data_spec_digest,
     log_store_event,
     open_store,
+    pass_order,
     save_resolved_config,
     store_layout,
 )
 from dflash_stream.pipeline.guard import hold_output, stop_with_launcher
 from dflash_stream.pipeline.packing import SegmentPacker
+from dflash_stream.pipeline.replay import StoreReplay
 from dflash_stream.pipeline.roles import RoleInfo, assign_uniform
 from dflash_stream.preflight import check_run_paths
 from dflash_stream.regenerate.cache import ResponseCache
@@ -55,15 +57,6 @@ log = get_logger(__name__)
 
 WINDOW_SEGMENTS = 4
 """Segments' worth of samples sorted by length together."""
-
-
-def pass_order(items: list, seed: int, pass_index: int) -> list:
-    """The order of a pass: the data's own for the first, a fresh seeded shuffle for each later one (so that
-    extracting every epoch anew, `train.epoch_source: reextract`, reshuffles the whole data every epoch). The same
-    for every run of the same config, so a resumed pass extracts what it lacks in the same order."""
-    if pass_index == 0:
-        return list(items)
-    return [items[i] for i in np.random.default_rng([seed, pass_index]).permutation(len(items))]
 
 
 class NonFiniteStates(DFlashError):
@@ -460,6 +453,14 @@ class Extractor:
             self.report.warn_if_few()
 
 
+def make_extractor(cfg: Config, role: RoleInfo, store: Store, metrics: MetricsWriter, device: torch.device
+                   ) -> Extractor | StoreReplay:
+    """The target's extractor, or the replay of a kept store when extract.from_store names one."""
+    if cfg.extract.from_store:
+        return StoreReplay(cfg, role, store, metrics)
+    return Extractor(cfg, role, store, metrics, device)
+
+
 def extract_command(args: argparse.Namespace) -> int:
     stop_with_launcher()
     cfg = load_config(args.config, args.overrides)
@@ -478,8 +479,6 @@ def extract_command(args: argparse.Namespace) -> int:
     metrics.log("start", config=cfg.model_dump(mode="json"))
     # From before the target loads: a trainer waiting on the store sees this extractor alive.
     with store.heartbeat(f"extractor-{role.index}"):
-        from dflash_stream.pipeline.replay import make_extractor
-
         extractor = make_extractor(cfg, role, store, metrics, device)
         extractor.run()
         # While a trainer runs beside this launch, stay to extract again any segment it finds damaged.

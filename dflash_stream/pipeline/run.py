@@ -199,7 +199,7 @@ def _extractor_fields(extractor) -> dict[str, Any]:
 
 def run_single(cfg: Config, role: RoleInfo, store, metrics: MetricsWriter, device: torch.device) -> tuple[dict, bool]:
     """One process: extract until the buffer is full, train on what is ready, release, repeat."""
-    from dflash_stream.pipeline.replay import make_extractor
+    from dflash_stream.pipeline.extractor import make_extractor
     from dflash_stream.pipeline.trainer import Trainer
 
     extractor = make_extractor(cfg, role, store, metrics, device)
@@ -223,7 +223,7 @@ def run_single(cfg: Config, role: RoleInfo, store, metrics: MetricsWriter, devic
 def run_role(cfg: Config, role: RoleInfo, store, metrics: MetricsWriter, device: torch.device) -> tuple[dict, bool]:
     """(summary fields, finished): False when a trainer was stopped by a signal after its checkpoint."""
     if role.role == "extractor":
-        from dflash_stream.pipeline.replay import make_extractor
+        from dflash_stream.pipeline.extractor import make_extractor
 
         with store.heartbeat(f"extractor-{role.index}"):  # from before the target loads
             extractor = make_extractor(cfg, role, store, metrics, device)
