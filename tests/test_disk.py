@@ -16,9 +16,9 @@ from test_pipeline import write_run_config
 from dflash_stream.cli import main
 from dflash_stream.config import load_config
 from dflash_stream.drafter import DFlashDrafter, DrafterSpec
-from dflash_stream.observe import disk
 from dflash_stream.observe.plan import build_plan
 from dflash_stream.pipeline import checkpoint as ckpt
+from dflash_stream.sizing import disk
 from dflash_stream.store.budget import du
 
 REPO = Path(__file__).parent.parent

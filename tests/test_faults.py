@@ -260,8 +260,8 @@ def test_a_disk_smaller_than_the_budget_stops_cleanly_then_resumes(tiny_target_d
         "store.keep_free": 0, "train.epochs": 1})
     monkeypatch.setattr(diskfull, "WAIT_SECONDS", 2.0)
     # The scenario is a disk that fills after the start check passed (another job takes the space): that check
-    # (observe.disk, tested in test_disk.py) would refuse this config up front, so it is taken out here.
-    from dflash_stream.observe import disk
+    # (sizing.disk, tested in test_disk.py) would refuse this config up front, so it is taken out here.
+    from dflash_stream.sizing import disk
 
     monkeypatch.setattr(disk, "check_run_disk", lambda *args: {})
     # Nothing kept free: the store takes the whole disk (never more), and the first checkpoint finds it full.

@@ -23,8 +23,8 @@ from dflash_stream.config import (
     REPLAY_WINDOW_BYTES,
     Config,
 )
-from dflash_stream.observe.units import fmt_bytes
 from dflash_stream.store import sizes
+from dflash_stream.units import fmt_bytes
 
 
 def host_memory(cfg: Config, width: int, ratio: float, checkpoint_bytes: float = 0) -> dict[str, Any]:

@@ -13,8 +13,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from dflash_stream.observe.units import fmt_bytes, fmt_duration
 from dflash_stream.rundir import RunDir
+from dflash_stream.units import fmt_bytes, fmt_duration
 
 EXTRACTING = ("extractor", "single")
 TRAINING = ("trainer", "single")

@@ -28,7 +28,6 @@ from dflash_stream.observe.summary import (
     role_figures,
     summary_table,
 )
-from dflash_stream.observe.units import fmt_duration
 from dflash_stream.pipeline.common import open_store, save_resolved_config, store_layout
 from dflash_stream.pipeline.guard import hold_output, stop_with_launcher
 from dflash_stream.pipeline.roles import RoleInfo, assign_role, init_distributed, resolve_launch
@@ -36,6 +35,7 @@ from dflash_stream.preflight import check_run_paths
 from dflash_stream.rundir import RunDir, write_atomic
 from dflash_stream.store import lease
 from dflash_stream.target_model import resolve_device
+from dflash_stream.units import fmt_duration
 
 log = get_logger("run")
 
@@ -55,7 +55,7 @@ def _first_rank_opens_store(cfg: Config, role: RoleInfo, layer_ids: list[int], h
         try:
             hold_output(cfg, ("extract", "train"))
             save_resolved_config(cfg)
-            from dflash_stream.observe.disk import check_run_disk
+            from dflash_stream.sizing.disk import check_run_disk
             from dflash_stream.target_model import target_shape
 
             # The whole footprint (store budget, checkpoints, export, data, metrics) against the free disk.
@@ -286,11 +286,11 @@ def run_command(args: argparse.Namespace) -> int:
 
 
 def _check_memory(cfg: Config, role: RoleInfo, device: torch.device) -> None:
-    """Refuse a role whose estimated peak exceeds its GPU, warn when it leaves little headroom (observe.memory).
+    """Refuse a role whose estimated peak exceeds its GPU, warn when it leaves little headroom (sizing.memory).
     On CPU the roles share the host's RAM and nothing is checked."""
     if device.type != "cuda":
         return
-    from dflash_stream.observe.memory import startup_check
+    from dflash_stream.sizing.memory import startup_check
 
     total = torch.cuda.get_device_properties(device).total_memory
     warning = startup_check(cfg, role.role, int(cfg.roles.device_memory or total))

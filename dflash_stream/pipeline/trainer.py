@@ -36,7 +36,6 @@ from dflash_stream.drafter.shapes import CompileWatch, ShapePlan, fixed_shapes_o
 from dflash_stream.errors import DFlashError
 from dflash_stream.log import get_logger, progress
 from dflash_stream.observe.metrics import MetricsWriter, TrainingTracker
-from dflash_stream.observe.units import fmt_bytes
 from dflash_stream.pipeline import checkpoint as ckpt
 from dflash_stream.pipeline.checkpoint_writer import CheckpointWriter, SharedState
 from dflash_stream.pipeline.common import log_store_event
@@ -48,6 +47,7 @@ from dflash_stream.pipeline.signals import StopRequest
 from dflash_stream.pipeline.stats import StepStats
 from dflash_stream.pipeline.waiting import DataWait
 from dflash_stream.rundir import RunDir
+from dflash_stream.units import fmt_bytes
 
 if TYPE_CHECKING:
     from dflash_stream.store import Claim, Store

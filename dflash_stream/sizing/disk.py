@@ -10,25 +10,26 @@ The ring buffer is bounded by `store.budget`; everything else a run writes is si
     data         OUTPUT/data/: the data reports, and with data.regenerate the response cache (JSON token ids)
     metrics      OUTPUT/metrics/, ledger/, tensorboard/ and the small files (summary, config, eval, report)
 
-`plan` shows it; `run` refuses at start, in one line, when it exceeds the free space of the filesystems the
-store and the output folder live on (they may differ). Files the run already has there (a resumed run's
-store and checkpoints) count as free: they are reused, not added.
+`plan` shows the footprint (observe/plan.py renders it); `run` refuses at
+start (`check_run_disk`), in one line, when it exceeds the free space of the filesystems the store and the output
+folder live on (they may differ). Files the run already has there (a resumed run's store and checkpoints) count
+as free: they are reused, not added.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from dflash_stream.config import Config
 from dflash_stream.errors import DFlashError
-from dflash_stream.observe.units import fmt_bytes
-
-if TYPE_CHECKING:
-    from dflash_stream.target_model.shape import TargetShape
+from dflash_stream.sizing.inputs import plan_mean_tokens, plan_samples
+from dflash_stream.target_model.shape import TargetShape
+from dflash_stream.units import fmt_bytes
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 WEIGHT_BYTES = 4
@@ -220,11 +221,34 @@ def refusal(cfg: Config, disk: dict[str, Any]) -> str | None:
     return None
 
 
+def footprint_for(cfg: Config, target: TargetShape, num_capture_layers: int, samples: int | None,
+                  mean_tokens: float | None, tune: dict | None, ratio: float | None = None) -> dict[str, Any]:
+    """The whole disk footprint from the plan's figures; unknown ones are counted here."""
+    if samples is None:
+        samples = plan_samples(cfg, None)[0]
+    if mean_tokens is None:
+        mean_tokens = plan_mean_tokens(cfg, None, tune)[0]
+    shape = drafter_shape(cfg, target, num_capture_layers)
+    params = drafter_params(shape)
+    from dflash_stream.store import codecs, sizes
+
+    ratio = ratio or codecs.get(cfg.store.codec).design_ratio
+    per_sample = sizes.raw_bytes_per_token(num_capture_layers * target.hidden_size) * mean_tokens
+    tokens = samples * mean_tokens if samples else None
+    steps = cfg.train.total_steps or (math.ceil(tokens * cfg.train.epochs / (
+        cfg.train.batch_tokens * cfg.train.grad_accum * trainer_count(cfg))) if tokens else None)
+    if steps and cfg.train.max_steps:
+        steps = min(steps, cfg.train.max_steps)
+    uses = (math.ceil(per_sample * samples / int(cfg.store.segment_bytes)) * cfg.extraction_passes
+            * cfg.store.reuse if samples else None)
+    parts = run_parts(cfg, params, samples, mean_tokens, steps, uses,
+                      samples_in_budget=min(int(cfg.store.budget) / (per_sample / ratio), samples or math.inf))
+    return {**footprint(cfg, parts), "drafter_params": params, "drafter_params_source": shape.source}
+
+
 def check_run_disk(cfg: Config, shape: TargetShape, layer_ids: list[int]) -> dict[str, Any]:
     """`run`'s start check: the footprint from the config and the target's shape; DFlashError when it does
     not fit. The data's size comes from `plan`'s counting (local sources; hub sources count 0 here)."""
-    from dflash_stream.observe.plan import footprint_for
-
     disk = footprint_for(cfg, shape, len(layer_ids), samples=None, mean_tokens=None, tune=None)
     message = refusal(cfg, disk)
     if message:
