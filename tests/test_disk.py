@@ -18,7 +18,7 @@ from dflash_stream.config import load_config
 from dflash_stream.drafter import DFlashDrafter, DrafterSpec
 from dflash_stream.observe.plan import build_plan
 from dflash_stream.pipeline import checkpoint as ckpt
-from dflash_stream.sizing import disk
+from dflash_stream.sizing.memory import DrafterDims
 from dflash_stream.store.budget import du
 
 REPO = Path(__file__).parent.parent
@@ -42,11 +42,17 @@ def test_drafter_params_count_the_real_model(heads, kv, head_dim, inter):
                        num_key_value_heads=kv, head_dim=head_dim, rope_theta=1e4, rms_norm_eps=1e-6,
                        vocab_size=100, block_size=4, mask_token_id=0, target_layer_ids=[1, 3, 5])
     real = sum(p.numel() for p in DFlashDrafter(spec).parameters())
-    shape = disk.DrafterShape(64, inter, 2, heads, kv, head_dim, 3, "test")
-    assert disk.drafter_params(shape) == real
-    # Without head counts: four square projections, an upper bound unless the queries are wider than hidden.
-    if heads * head_dim <= 64:
-        assert disk.drafter_params(disk.DrafterShape(64, inter, 2, None, None, None, 3, "test")) >= real
+    dims = DrafterDims(hidden_size=64, intermediate_size=inter, num_layers=2, num_attention_heads=heads,
+                       num_key_value_heads=kv, head_dim=head_dim, context_layers=3, vocab_size=100, block_size=4)
+    assert dims.num_parameters == real
+
+
+def test_the_disk_and_the_memory_model_count_one_drafter(capsys):
+    """Checkpoints and the export hold the drafter the memory model trains: one parameter count, also where the
+    config leaves the target's head count to be derived (Qwen3-8B's hints give only its KV heads and head_dim)."""
+    plan = _plan_json(REPO / "configs" / "qwen3-8b.yaml", capsys)
+    params = plan["disk"]["drafter_params"]
+    assert 4 * params == plan["memory"]["trainer"]["parts"]["drafter_parameters"]  # float32 weights
 
 
 def test_optimizer_state_in_bfloat16_is_smaller_and_resumes_close(tmp_path):

@@ -15,7 +15,8 @@ Each role's peak is a sum of named parts, counted from what the code allocates (
 The worst micro-batch is the one the token batcher can cut with the most block tokens: short samples, many per
 batch, every position an anchor (see `worst_train_batch`). `dflash-stream bench memory` measures the real
 trainer step and extractor forward against these estimates. `plan` shows them (observe/plan.py renders them);
-`run` checks its role against its GPU before any work (`startup_check`).
+`run` checks its role against its GPU before any work (`startup_check`). `DrafterDims.num_parameters` is the one
+count of the drafter's parameters (the disk footprint's checkpoints and export use it too).
 """
 
 from __future__ import annotations
