@@ -37,7 +37,7 @@ CHECKPOINT_STALL_WARN = 0.05  # warn when checkpoints stop training for more tha
 THIN_MARGIN = 0.2  # warn when the disk left after the budget is under this fraction of the budget
 REUSE_WINDOW_STEPS_MEASURED = 4.5
 """The smallest buffer window, in optimizer steps of samples, at which `bench quality` measured a drafter
-trained with epoch_source reuse as good as offline (README, Quality: 34 samples at 10 % of its dump, 7.5
+trained with epoch_source reuse as good as offline (docs/benchmarks.md, Quality: 34 samples at 10 % of its dump, 7.5
 samples per 1,024-token step); at 2 % (0.9 steps) its held-out loss was 4 % worse. With reuse a sample's epochs
 fall that many steps apart, so steps (not the share of the dump) say how close its repeats come. Steps are
 counted as here: batch_tokens x grad_accum x trainers over the mean sample length."""
