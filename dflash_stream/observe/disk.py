@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 from dflash_stream.config import Config
 from dflash_stream.errors import DFlashError
 from dflash_stream.observe.units import fmt_bytes
+from dflash_stream.target_model.shape import MLP_PER_HIDDEN, default_intermediate_size
 
 if TYPE_CHECKING:
     from dflash_stream.target_model.shape import TargetShape
@@ -85,9 +86,9 @@ def drafter_shape(cfg: Config, target: TargetShape, num_context_layers: int) -> 
     elif inter:
         source = "config (target.intermediate_size)"
     else:
-        source = "assumed: MLP width 8/3 x hidden (set target.intermediate_size)"
-    return DrafterShape(hidden, inter or (8 * hidden) // 3, d.num_layers, heads, kv, head_dim, num_context_layers,
-                        source)
+        source = f"assumed: MLP width {MLP_PER_HIDDEN} x hidden (set target.intermediate_size)"
+    return DrafterShape(hidden, d.intermediate_size or default_intermediate_size(target), d.num_layers, heads, kv,
+                        head_dim, num_context_layers, source)
 
 
 def drafter_params(shape: DrafterShape) -> int:
