@@ -29,6 +29,7 @@ from dflash_stream.observe.summary import (
     summary_table,
 )
 from dflash_stream.observe.units import fmt_duration
+from dflash_stream.pipeline import checkpoint as ckpt
 from dflash_stream.pipeline.common import open_store, save_resolved_config, store_layout
 from dflash_stream.pipeline.guard import hold_output, stop_with_launcher
 from dflash_stream.pipeline.roles import RoleInfo, assign_role, init_distributed, resolve_launch
@@ -58,6 +59,9 @@ def _first_rank_opens_store(cfg: Config, role: RoleInfo, layer_ids: list[int], h
             from dflash_stream.observe.disk import check_run_disk
             from dflash_stream.target_model import target_shape
 
+            # Old checkpoints an earlier launch could not delete go first: the disk check below counts this
+            # run's files as free, and one that cannot be deleted stops the run here, naming it.
+            ckpt.prune(cfg.output_dir, cfg.train.keep_checkpoints)
             # The whole footprint (store budget, checkpoints, export, data, metrics) against the free disk.
             check_run_disk(cfg, target_shape(cfg.target, download=True, hints=False, count=False), layer_ids)
             store = open_store(cfg, layer_ids, hidden_size)

@@ -136,7 +136,7 @@ class Trainer:
         self.checkpoint_write_seconds = 0.0  # this rank's writing and syncing (in the background: not a stall)
         self.async_checkpoint = tc.async_checkpoint
         self.writer = CheckpointWriter(self.run_dir.root, self.index, self.spec, barrier=self._barrier,
-                                       keep=tc.keep_checkpoints)
+                                       agree=self._gather, keep=tc.keep_checkpoints)
         self._pending: _Pending | None = None
         self.data_wait_seconds = 0.0
         self._last_checkpoint_step = 0
@@ -165,7 +165,9 @@ class Trainer:
             self.position.load_state_dict(DataPosition.EMPTY)
             return
         shared, part = ckpt.load(path, self.index, self.trainers)
-        self.drafter.load_state_dict(load_file(path / WEIGHTS, device=str(self.device)))
+        # safetensors takes `cpu`, not the `cpu:0` a multi-process CPU launch gives each rank.
+        self.drafter.load_state_dict(load_file(path / WEIGHTS, device=str(self.device) if self.device.type != "cpu"
+                                               else "cpu"))
         self.optimizer.load_state_dict(shared["optimizer"])
         self.scheduler.load_state_dict(shared["scheduler"])
         self.steps = self._last_checkpoint_step = shared["step"]
@@ -236,15 +238,15 @@ class Trainer:
         """Wait until the background checkpoint (if any) is written on every rank, then complete it; the wait is
         training standing still (collective)."""
         if self._pending is not None:
-            self._complete(agreed=False)
+            self._complete()
 
-    def _complete(self, agreed: bool) -> None:
+    def _complete(self) -> None:
         """Publish the background checkpoint and release what it records as finished (collective; every rank at
-        the same step). `agreed`: this step's all-reduce said every rank's part is written."""
+        the same step). A write that failed on any rank stops every rank with CheckpointFailed instead."""
         pending, self._pending = self._pending, None
         assert pending is not None
         started = time.perf_counter()
-        saved = self.writer.complete(agreed)
+        saved = self.writer.complete()
         released = self.position.release(pending.finished)
         stall = pending.stall + time.perf_counter() - started
         self._checkpoint_done(pending.step, pending.reason, saved, released, stall, background=True)
@@ -296,7 +298,7 @@ class Trainer:
                 # A background checkpoint every rank has written becomes durable here, at the same step everywhere.
                 completed = self._pending is not None and flags["written"]
                 if completed:
-                    self._complete(agreed=True)
+                    self._complete()
 
                 # Stop, at the end of the data or on a signal.
                 if flags["all_exhausted"]:
@@ -381,7 +383,7 @@ class Trainer:
             micro == 0 and not exhausted,
             tokens,
             samples,
-            self.writer.written,
+            self.writer.written,  # ended, well or not: `complete` learns which on every rank
         ]
         vec = torch.tensor(flags + self.stats.pending(), dtype=torch.float64, device=self.device)
         vec = self._all_reduce(vec).tolist()
@@ -393,7 +395,7 @@ class Trainer:
             # Checkpointing for blocked extractors pays only once it frees a real share of the buffer.
             "holding_much": holding >= int(self.cfg.store.budget) * HOLDING_SHARE, "starved": starved > 0,
             "tokens": int(tokens), "samples": int(samples),
-            "written": written == self.trainers,  # every rank's part of the background checkpoint is on disk
+            "written": written == self.trainers,  # every rank's write of the background checkpoint ended
         }
 
     def _optimizer_step(self) -> None:
@@ -420,6 +422,14 @@ class Trainer:
     def _barrier(self) -> None:
         if self.group is not None:
             dist.barrier(group=self.group)
+
+    def _gather(self, item: Any) -> list[Any]:
+        """Every trainer rank's `item`, in rank order (collective)."""
+        if self.group is None:
+            return [item]
+        items: list[Any] = [None] * self.trainers
+        dist.all_gather_object(items, item, group=self.group)
+        return items
 
     # ---------------------------------------------------------------- data
 
