@@ -284,6 +284,24 @@ def test_kill_9_mid_run_then_resume_trains_every_sample_exactly_once(tmp_path, t
     assert_store_drained(store)
 
 
+def test_a_run_with_nothing_to_train_stops_before_training_naming_why(tmp_path, target_dir):
+    """Every sample dropped before extraction (here: the servers answered none): the trainer reaches the end of
+    the data at step 0 and stops with one line naming the skips, instead of exporting an untrained drafter."""
+    cfg = make_config(tmp_path, target_dir)
+    fill_store(cfg, [])
+    report = Path(cfg.output_dir) / "data" / "report-0.json"
+    report.parent.mkdir(parents=True, exist_ok=True)
+    report.write_text(json.dumps({"kept": 0, "sample_ids": [], "skipped": {"no_answer": 40, "too_long": 2}}))
+    trainer = new_trainer(cfg)
+    with pytest.raises(DFlashError) as stopped:
+        trainer.run()
+    trainer.close()
+    line = str(stopped.value)
+    assert line.startswith("nothing to train: the extractors stored no sample (skipped: no_answer 40, too_long 2)")
+    assert "no drafter is exported" in line and "no_answer: the servers gave none" in line
+    assert ckpt.latest_checkpoint(cfg.output_dir) is None
+
+
 def test_until_idle_trains_what_is_ready_releases_it_and_returns(tmp_path, target_dir, samples):
     """Single-process mode: extraction and training alternate, so training must stop (not block) when the
     ready segments are used up, with everything trained so far checkpointed and released."""

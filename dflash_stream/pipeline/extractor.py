@@ -211,8 +211,8 @@ class Extractor:
             self.extract_seconds += time.perf_counter() - self._run_started
         if not finished:
             return False
+        self._finish_report()  # before the end of data: a trainer that finds nothing to train reads it
         self.writer.finish()
-        self._finish_report()
         self._log_progress(self.extract_seconds)  # the final count, also when the last samples dropped out
         self._bar.close()
         if self._regen_bar is not None:

@@ -276,9 +276,16 @@ def run_command(args: argparse.Namespace) -> int:
             log.info("stopped by a signal after a durable checkpoint; run the same command again to resume")
             return 143
         _write_summary_part(output, role, {"role": role.role, "index": role.index, **fields})
+        status = 0
         if role.role in ("single", "trainer") and role.index == 0:
             summary = write_summary(cfg, store, started, expected_parts(cfg, role))
             metrics.log("end", summary=summary)
+            unanswered = (summary.get("regenerate") or {}).get("errors", 0)
+            if unanswered:  # the launch's last word, once every rank's part is in: the exit status says it
+                log.error("regeneration is incomplete: %d sample(s) got no answer from the servers (each named "
+                          "above); the drafter trained without them; run the same command again to ask for them",
+                          unanswered)
+                status = 1
         else:
             _complete_summary(cfg)
     finally:
@@ -286,7 +293,7 @@ def run_command(args: argparse.Namespace) -> int:
         lease.release_all()
     if dist.is_initialized():
         dist.destroy_process_group()
-    return 0
+    return status
 
 
 def _check_memory(cfg: Config, role: RoleInfo, device: torch.device) -> None:

@@ -302,6 +302,8 @@ class Trainer:
 
                 # Stop, at the end of the data or on a signal.
                 if flags["all_exhausted"]:
+                    if self.steps == 0:
+                        raise DFlashError(self._nothing_to_train())
                     self._checkpoint("end of data", wait=True)
                     self._finish_report()
                     return True
@@ -481,6 +483,18 @@ class Trainer:
         started = time.perf_counter()
         self._take_segment(timeout=WAIT_POLL_SECONDS)
         self.data_wait_seconds += time.perf_counter() - started
+
+    def _nothing_to_train(self) -> str:
+        """The line a run whose data ended before its first step stops with (no untrained drafter exported)."""
+        skipped: dict[str, int] = {}
+        for path in self.run_dir.data_reports():
+            for reason, n in json.loads(path.read_text()).get("skipped", {}).items():
+                skipped[reason] = skipped.get(reason, 0) + n
+        why = ", ".join(f"{reason} {n:,}" for reason, n in sorted(skipped.items(), key=lambda r: -r[1]))
+        return ("nothing to train: the extractors stored no sample" + (f" (skipped: {why})" if why else "")
+                + f"; no drafter is exported. See {self.run_dir.data}/report-*.json"
+                + (" and the extractors' regeneration lines (no_answer: the servers gave none)"
+                   if "no_answer" in skipped else ""))
 
     def _estimate_total_steps(self) -> tuple[int, bool]:
         """(schedule length, whether the data's size is known). Length: the tokens of all epochs over the

@@ -44,7 +44,8 @@ class ServerRegenerator:
                  ) -> None:
         self.cfg, self.cache, self.on_progress = cfg, cache, on_progress
         self._reported = 0.0
-        self.client = CompletionClient(cfg.data.generation, tokenizer, stop_ids, concurrency)
+        self.client = CompletionClient(cfg.data.generation, tokenizer, stop_ids, concurrency, target=cfg.target.model,
+                                       max_length=cfg.data.max_length)
         self._ready = threading.Condition()
         self._asked: set[int] = set()
         self._answered: set[int] = set()
@@ -157,8 +158,10 @@ def summary_lines(summary: dict[str, Any]) -> list[str]:
         lines.append(f"  {s['retokenize_differs']:,} answers' ids differ from their text tokenized again: a "
                      "text-only server would have trained the drafter on other tokens there")
     for url, ep in s["endpoints"].items():
-        lines.append(f"  {url}: {ep['answers']:,} answers, {ep['tokens']:,} tokens, {ep['errors']} errors, "
-                     f"{ep['outages']} outages ({ep['dialect']})")
+        malformed = f", {ep['malformed']} malformed" if ep.get("malformed") else ""
+        dropped = f"; left the phase: {ep['dropped']}" if ep.get("dropped") else ""
+        lines.append(f"  {url}: {ep['answers']:,} answers, {ep['tokens']:,} tokens, {ep['errors']} errors{malformed}, "
+                     f"{ep['outages']} outages ({ep['dialect']}){dropped}")
     return lines
 
 
