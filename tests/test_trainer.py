@@ -497,7 +497,7 @@ def test_a_background_write_that_fails_on_one_rank_is_never_published(tmp_path, 
     lines = [[line for line in log.splitlines() if line.startswith("dflash-stream: error:")] for log in logs]
     assert len(lines[0]) == len(lines[1]) == 1 and lines[0] == lines[1], lines
     line = lines[0][0]
-    assert "was not published: trainer rank 1 could not write" in line and "trainer-1.pt" in line, line
+    assert "was not published: trainer rank 1: could not write" in line and "trainer-1.pt" in line, line
     assert "OSError: [Errno 5] Input/output error" in line and "resumes from step-2" in line, line
     assert "Traceback" not in logs[0] + logs[1]
     for checkpoint in ckpt.complete_checkpoints(output):
@@ -532,7 +532,7 @@ def test_an_old_checkpoint_that_cannot_be_deleted_stops_training_in_one_line(tmp
         trainer.run()
     trainer.close()
     line = str(failed.value)
-    assert "\n" not in line and "trainer rank 0 could not delete the old checkpoint" in line, line
+    assert "\n" not in line and "trainer rank 0: could not delete the old checkpoint" in line, line
     assert "/checkpoints/step-2 (" in line and "bytes still on disk): OSError: [Errno 16] Device or resource busy" in line
     assert (Path(cfg.output_dir) / "checkpoints" / "step-2").is_dir()
     # The next launch deletes it first, or stops before any work naming it.

@@ -50,11 +50,14 @@ class CheckpointFailed(DFlashError):
 
 @contextmanager
 def naming_file(path: Path, doing: str = "write") -> Iterator[None]:
-    """Re-raise any error of the block as FileNotWritten naming `path` (a write's EIO carries no file name)."""
+    """Re-raise any error of the block as FileNotWritten naming `path` (a write's EIO carries no file name); a
+    DFlashError (a disk that stayed full) already says what it was writing, in words."""
     try:
         yield
     except FileNotWritten:
         raise
+    except DFlashError as err:
+        raise FileNotWritten(str(err)) from err
     except Exception as err:
         raise FileNotWritten(f"could not {doing} {path}: {type(err).__name__}: {err}") from err
 

@@ -163,14 +163,15 @@ class CheckpointWriter:
     def _agreed(self, step: int, failure: str | None, what: str) -> None:
         """Collective: raise CheckpointFailed, with the same line on every rank, when any rank's `failure` (what
         went wrong on it) is set; `what` says what that means for checkpoint `step`."""
-        mine = f"{what}: trainer rank {self.rank} {failure}" if failure else None
+        mine = f"{what}: trainer rank {self.rank}: {failure}" if failure else None
         failures = [f for f in self.agree(mine) if f]
         if failures:
             latest = self.run.latest_checkpoint()
             others = f" (and on {len(failures) - 1} other rank(s))" if len(failures) > 1 else ""
+            again = "" if "run the same command again" in failures[0] else " (run the same command again)"
             raise ckpt.CheckpointFailed(
                 f"checkpoint step-{step} {failures[0]}{others}; the next launch resumes from "
-                f"{latest.name if latest is not None else 'the start'} (run the same command again)")
+                f"{latest.name if latest is not None else 'the start'}{again}")
 
     def _begin(self, step: int) -> None:
         """Rank 0 stages the folder once older checkpoints are deleted; every rank learns of a failure of either."""
