@@ -12,8 +12,8 @@ lines cannot interleave; every part is read, so the process count may change bet
 twice (`regenerate` beside `run`) keeps its first answer, by the time written into each record, and the
 extractor looks again (`refresh`) before it uses an answer, so every pass trains on that one.
 
-Only the index is held in memory (INDEX_BYTES_PER_ANSWER per answer, in numpy arrays), never the tokens: an answer
-is read from its file when asked for. Caches written before the key held the target (responses-<data digest>-*)
+Only the index is held in memory (numpy arrays, INDEX_BYTES_PER_ANSWER per answer at most), never the tokens: an
+answer is read from its file when asked for. Caches written before the key held the target (responses-<data digest>-*)
 are not read: their target is unknown, so their answers are asked for again.
 """
 
@@ -42,9 +42,10 @@ SYNC_EVERY_S = 1.0
 bounds what a power cut loses)."""
 INDEX = np.dtype([("sample_id", "<i8"), ("offset", "<i8"), ("length", "<i4"), ("time", "<f8")])
 """One answer's record in a part's .idx file: where its line is in the .jsonl, and when it was written."""
-INDEX_BYTES_PER_ANSWER = 2 * (INDEX.itemsize + 2) + 8
-"""Memory per cached answer: the index arrays (a record and its part number) and, while they are merged, one copy
-more and the sort's int64 order."""
+INDEX_BYTES_PER_ANSWER = 3 * (INDEX.itemsize + 8 + 2) + 8
+"""Memory per cached answer at most: the index arrays kept (its record, its sample id as the sorted search key,
+its part number) and, while new answers are merged in, their concatenation, its sorted copy and the sort's int64
+order."""
 FOLD_AT = 65536
 """Answers learned since the last merge (this process's, other writers') kept in a dict before they are merged into
 the arrays."""
