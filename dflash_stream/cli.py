@@ -24,7 +24,7 @@ from dflash_stream.errors import DFlashError, os_error_line
 COMMANDS = {
     "run": "dflash_stream.pipeline.run",
     "data": "dflash_stream.observe.data_overview",
-    "extract": "dflash_stream.pipeline.extractor",
+    "extract": "dflash_stream.pipeline.extract_command",
     "train": "dflash_stream.pipeline.trainer",
     "audit": "dflash_stream.pipeline.audit",
     "export": "dflash_stream.drafter.commands",

@@ -350,7 +350,7 @@ def _regen_config(tmp_path: Path, engine: str = "openai", regenerate: bool = Tru
 def test_plan_openai_with_a_measured_rate_is_samples_x_response_over_the_endpoints(tmp_path: Path) -> None:
     """tokens_per_s set: all the answers take samples x response tokens / (tokens_per_s x endpoints), whatever the
     split of the launch, and the extraction side overlaps it (the slower of the two sets its pace)."""
-    from dflash_stream.observe.plan import MEASURED_SERVER_RATE, PROMPT_SHARE
+    from dflash_stream.sizing.work import MEASURED_SERVER_RATE, PROMPT_SHARE
 
     samples, mean = 10_000, 1_500
     response = mean * (1 - PROMPT_SHARE)  # 1,000 tokens per answer
@@ -406,7 +406,7 @@ def test_plan_openai_estimate_falls_with_more_endpoints_and_is_labelled(tmp_path
 def test_plan_openai_split_excludes_regeneration(tmp_path: Path) -> None:
     """The extractors do not decode with engine openai: their work per sample and the chosen split are those of a
     run without regeneration, while engine hf adds the decoding to the extractors (and shifts the split)."""
-    from dflash_stream.observe.plan import role_work
+    from dflash_stream.sizing.work import role_work
     from dflash_stream.target_model.shape import target_shape
 
     def work_and_split(cfg):
@@ -487,7 +487,8 @@ def test_plan_hf_regeneration_figures_are_unchanged() -> None:
     assert t["total_seconds"] == pytest.approx(934448.604425216, rel=1e-9)
     assert t["extract_side_seconds"] == pytest.approx(t["regenerate_seconds"] + t["phases"]["extract"]["seconds"])
     assert t["checkpoints"]["every_seconds"] == pytest.approx(1123.1024647124304, rel=1e-9)
-    assert plan["roles"]["trainers"] == 2 and t["gpus"] == {"launch": 4, "serving": 0, "total": 4}
+    assert plan["roles"]["trainers"] == 2 and t["gpus"] == {"launch": 4, "extraction_servers": 0,
+                                                                 "regeneration_servers": 0, "serving": 0, "total": 4}
 
 
 def test_vllm_headline_config_plans_servers_beside_the_launch() -> None:
@@ -498,7 +499,7 @@ def test_vllm_headline_config_plans_servers_beside_the_launch() -> None:
     assert cfg.data.generation.tokens_per_s is None and len(cfg.data.generation.endpoints) == 4
     plan = build_plan(cfg, samples=914_000, processes=4)
     t = plan["time"]
-    assert t["gpus"] == {"launch": 4, "serving": 4, "total": 8}
+    assert t["gpus"] == {"launch": 4, "extraction_servers": 0, "regeneration_servers": 4, "serving": 4, "total": 8}
     assert "estimated" in t["regenerate"]["tokens_per_s_source"]
     assert t["regenerate"]["running_sequences"] == 128  # the configured concurrency fits a 96 GB server
     headline = build_plan(load_config(root / "qwen3.6-27b-4gpu.yaml"), samples=914_000, processes=4)

@@ -25,7 +25,7 @@ from test_pipeline import LAUNCH_2CPU, REPO, assert_exactly_once, events, rank_p
 from dflash_stream.config import ConfigError, TargetConfig, config_from_dict
 from dflash_stream.observe.metrics import MetricsWriter, read_metrics
 from dflash_stream.pipeline.common import open_store
-from dflash_stream.pipeline.replay import make_extractor
+from dflash_stream.pipeline.extract_command import make_extractor
 from dflash_stream.pipeline.roles import RoleInfo
 from dflash_stream.pipeline.served_extractor import spool_writer
 from dflash_stream.store import FingerprintMismatch, Store

@@ -347,7 +347,7 @@ def _cpu():
 
 def _kv_cache_gib(cfg: Config, tokens: int) -> int:
     """Whole GiB (what VLLM_CPU_KVCACHE_SPACE takes) of float32 keys and values for `tokens` tokens."""
-    from dflash_stream.target_model.loading import load_target_config
+    from dflash_stream.target_model.location import load_target_config
 
     config = load_target_config(cfg.target)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -364,7 +364,9 @@ def _client(cfg: Config, tokenizer, url: str, concurrency: int, as_configured: b
     own = {} if as_configured else {"model": None, "api_key_env": None}
     gen = GenerationConfig(**{**cfg.data.generation.model_dump(), "engine": "openai", "endpoints": [url],
                               "temperature": 0.0, **own})
-    return CompletionClient(gen, tokenizer, target_stop_ids(cfg.target, tokenizer), concurrency)
+    # No data.max_length check: the bench's prompts and answers fit the server it starts by construction.
+    return CompletionClient(gen, tokenizer, target_stop_ids(cfg.target, tokenizer), concurrency,
+                            target=cfg.target.model)
 
 
 def _ask(client, samples: list[PreparedSample], max_tokens: int) -> list:

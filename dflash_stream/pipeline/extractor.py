@@ -9,7 +9,6 @@ which keeps padding low while every window still covers the whole range of lengt
 
 from __future__ import annotations
 
-import argparse
 import math
 import queue
 import threading
@@ -21,31 +20,25 @@ from typing import Any
 import numpy as np
 import torch
 
-from dflash_stream.config import Config, load_config
+from dflash_stream.config import Config
 from dflash_stream.data import PreparedSample, prepare_shard, take_batch
 from dflash_stream.errors import DFlashError
-from dflash_stream.log import get_logger, progress, setup_logging
+from dflash_stream.log import get_logger, progress
 from dflash_stream.observe.metrics import MetricsWriter
 from dflash_stream.pipeline.common import (
-    data_spec_digest,
     log_store_event,
-    open_store,
-    save_resolved_config,
-    store_layout,
+    pass_order,
 )
-from dflash_stream.pipeline.guard import hold_output, stop_with_launcher
 from dflash_stream.pipeline.packing import SegmentPacker
-from dflash_stream.pipeline.roles import RoleInfo, assign_uniform
+from dflash_stream.pipeline.roles import RoleInfo
 from dflash_stream.pipeline.state_health import StateHealth
-from dflash_stream.preflight import check_run_paths
-from dflash_stream.regenerate.cache import ResponseCache
+from dflash_stream.regenerate.cache import ResponseCache, answers_key, describe_other_caches
 from dflash_stream.regenerate.phase import ServerRegenerator, summary_lines
-from dflash_stream.store import Sample, Store, lease, sizes
+from dflash_stream.store import Sample, Store, WriterStopped, sizes
 from dflash_stream.target_model import (
     TargetShape,
     load_target,
     model_shape,
-    resolve_device,
     resolve_layer_ids,
     stop_token_ids,
 )
@@ -57,15 +50,6 @@ log = get_logger(__name__)
 
 WINDOW_SEGMENTS = 4
 """Segments' worth of samples sorted by length together."""
-
-
-def pass_order(items: list, seed: int, pass_index: int) -> list:
-    """The order of a pass: the data's own for the first, a fresh seeded shuffle for each later one (so that
-    extracting every epoch anew, `train.epoch_source: reextract`, reshuffles the whole data every epoch). The same
-    for every run of the same config, so a resumed pass extracts what it lacks in the same order."""
-    if pass_index == 0:
-        return list(items)
-    return [items[i] for i in np.random.default_rng([seed, pass_index]).permutation(len(items))]
 
 
 @dataclass
@@ -156,13 +140,19 @@ class Extractor:
         self.layer_ids = resolve_layer_ids(shape.num_layers, cfg.target)
         self.health = StateHealth(self.layer_ids, shape.hidden_size, cfg.extract.engine)
         self.samples, self.report = prepare_shard(cfg, self.tokenizer, role.index, role.count)
-        self.cache = ResponseCache(cfg.output_dir, data_spec_digest(cfg), role.index) if cfg.data.regenerate else None
+        self.cache: ResponseCache | None = None
         self._server: ServerRegenerator | None = None
-        if self.cache is not None and cfg.data.generation.engine == "openai":
-            # The extractors share data.generation.concurrency: each keeps its part of it in flight.
-            self._server = ServerRegenerator(cfg, self.tokenizer, self.cache, stop_ids,
-                                             concurrency=math.ceil(cfg.data.generation.concurrency / role.count),
-                                             on_progress=lambda figures: metrics.log("regenerate", **figures))
+        if cfg.data.regenerate:
+            key = answers_key(cfg, self.tokenizer, stop_ids)
+            self.cache = ResponseCache(cfg.output_dir, key, role.index)
+            other = describe_other_caches(cfg.output_dir, key) if role.index == 0 else None
+            if other:
+                log.warning("%s", other)
+            if cfg.data.generation.engine == "openai":
+                # The extractors share data.generation.concurrency: each keeps its part of it in flight.
+                self._server = ServerRegenerator(cfg, self.tokenizer, self.cache, stop_ids,
+                                                 concurrency=math.ceil(cfg.data.generation.concurrency / role.count),
+                                                 on_progress=lambda figures: metrics.log("regenerate", **figures))
         self._dropped: dict[int, tuple[str, str]] = {}
         width = len(self.layer_ids) * shape.hidden_size
         self.bytes_per_token = sizes.raw_bytes_per_token(width)
@@ -216,8 +206,8 @@ class Extractor:
             self.extract_seconds += time.perf_counter() - self._run_started
         if not finished:
             return False
+        self._finish_report()  # before the end of data: a trainer that finds nothing to train reads it
         self.writer.finish()
-        self._finish_report()
         self._log_progress(self.extract_seconds)  # the final count, also when the last samples dropped out
         self._bar.close()
         if self._regen_bar is not None:
@@ -391,13 +381,16 @@ class Extractor:
     def _respond(self, prompts: list[PreparedSample]) -> list[PreparedSample]:
         """Prompts completed with the target's own (cached or newly generated) responses; short ones dropped."""
         gen, max_length = self.cfg.data.generation, self.cfg.data.max_length
-        missing = sorted((s for s in prompts if self.cache.get(s.sample_id) is None), key=lambda s: s.num_tokens)
+        self.cache.refresh()  # another writer's earlier answer to one of these is the one to take
+        missing = sorted((s for s in prompts if s.sample_id not in self.cache), key=lambda s: s.num_tokens)
         if self._server is not None:
-            self._server.wait([s.sample_id for s in missing])
+            if not self._server.wait([s.sample_id for s in missing], self.writer.stop_when):
+                raise WriterStopped(f"writer {self.writer.id} stopped waiting for the servers' answers: it was told "
+                                    "to stop")
             missing = []
         if missing and self._regen_bar is None:
             # Its own bar: generating is usually slower than the forward pass that captures the states.
-            todo = sum(1 for s in self.samples if self.cache.get(s.sample_id) is None)
+            todo = sum(1 for s in self.samples if s.sample_id not in self.cache)
             self._regen_bar = progress(total=todo, unit="sample", desc="regenerate")
         for first in range(0, len(missing), gen.batch_size):
             chunk = missing[first : first + gen.batch_size]
@@ -467,43 +460,3 @@ class Extractor:
             self.report.write(self.cfg.output_dir)
             log.info("after regeneration: %s", self.report.summary())
             self.report.warn_if_few()
-
-
-def extract_command(args: argparse.Namespace) -> int:
-    stop_with_launcher()
-    cfg = load_config(args.config, args.overrides)
-    check_run_paths(cfg)  # before anything is written
-    role = assign_uniform("extractor")
-    setup_logging("extractor", role.index, show_bar=role.speaks_for_role)
-    device = resolve_device(cfg.target)
-    layer_ids, hidden_size = store_layout(cfg)
-    if role.index == 0:
-        hold_output(cfg, ("extract",))
-    store = open_store(cfg, layer_ids, hidden_size)
-    if role.index == 0:
-        store.set_expected_writers(role.count)
-        save_resolved_config(cfg)
-    metrics = MetricsWriter(cfg.output_dir, "extractor", role.index)
-    metrics.log("start", config=cfg.model_dump(mode="json"))
-    # From before the target loads: a trainer waiting on the store sees this extractor alive.
-    with store.heartbeat(f"extractor-{role.index}"):
-        from dflash_stream.pipeline.replay import make_extractor
-
-        extractor = make_extractor(cfg, role, store, metrics, device)
-        extractor.run()
-        # While a trainer runs beside this launch, stay to extract again any segment it finds damaged.
-        extractor.serve_redo(lambda: not store.consumers_alive())
-    summary = extractor.summary()
-    metrics.log("end", summary=summary)
-    metrics.close()
-    lease.release_all()
-    log.info("extracted %d samples, %d tokens in %.1f s (%.0f tok/s, %.1f s waiting on the store)",
-             summary["samples"], summary["tokens"], summary["extract_seconds"], summary["tok_s"],
-             summary["backpressure_seconds"])
-    return 0
-
-
-def register(sub) -> None:
-    parser = sub.add_parser("extract", help="extract hidden states into the store (every process of the launch)")
-    parser.add_argument("--config", required=True, help="run config (YAML); --section.key=value overrides follow")
-    parser.set_defaults(func=extract_command, overrides=[])

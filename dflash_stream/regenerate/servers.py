@@ -48,7 +48,7 @@ def safetensors_copy(target: TargetConfig, tokenizer, workdir: Path, model=None)
     """A folder of safetensors a server can load: the target's own folder, or a GGUF target converted once into
     `workdir` (dequantized, in the dtype the extractors run it in) and reused while the GGUF file is unchanged.
     `model`: the target already loaded, to spare loading it again."""
-    from dflash_stream.target_model.loading import model_location
+    from dflash_stream.target_model.location import model_location
 
     location, _ = model_location(target)
     if not target.gguf_file:
