@@ -1,6 +1,7 @@
 """Tiny random-weight targets of every family DFlash drafters are published for, built from transformers' own
 config classes (no download) and saved like hub checkpoints: the class a hub checkpoint of that family is
-saved as (VLM wrappers included), safetensors, and the demo tokenizer beside it."""
+saved as (VLM wrappers included), safetensors, and the demo tokenizer beside it. The tests and `bench
+eval-engines` build them."""
 
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
 GDN = {"linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
        "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4, "full_attention_interval": 3}
 WINDOW = 16  # sliding windows far shorter than the prompts, so that eval must roll windowed caches back
+SERVED_HEADS = {"num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32}
+"""Attention heads vLLM's CPU build serves: its attention kernels take head sizes 32 to 512 only."""
 
 
 def _drop(d: dict[str, Any], *keys: str) -> dict[str, Any]:
@@ -53,22 +56,37 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
-def build_config(family: str) -> Any:
+def build_config(family: str, served: bool = False, vocab_size: int = VOCAB) -> Any:
+    """The family's tiny config; `served`: with heads vLLM's CPU attention takes (SERVED_HEADS); `vocab_size`:
+    another tokenizer's (the ids 1 and 2 of bos and eos stay)."""
     from transformers import AutoConfig
 
     model_type, kwargs = FAMILIES[family]
+    text = {**(SERVED_HEADS if served else {}), "vocab_size": vocab_size}
+    if "text_config" in kwargs:
+        kwargs = {**kwargs, "text_config": {**kwargs["text_config"], **text}}
+    else:
+        kwargs = {**kwargs, **text}
     return AutoConfig.for_model(model_type, **kwargs)
 
 
-def save_target(family: str, out: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
-    """The family's tiny model saved as its hub checkpoints are: a wrapper class where the hub has one."""
+def save_target(family: str, out: Path, tokenizer_dir: Path, seed: int = 0, served: bool = False,
+                vocab_size: int = VOCAB, weight_scale: float = 1.0) -> Path:
+    """The family's tiny model saved as its hub checkpoints are: a wrapper class where the hub has one.
+    `weight_scale`: every matrix multiplied by it (at the default init a tiny random model greedily repeats a few
+    tokens with nearly flat next-token distributions; scaled, its answers vary and its distributions are peaked)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-    config = build_config(family)
+    config = build_config(family, served, vocab_size)
     torch.manual_seed(seed)
     wrapped = config.get_text_config() is not config
     model = (AutoModelForImageTextToText if wrapped else AutoModelForCausalLM).from_config(config)
+    if weight_scale != 1.0:
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.ndim == 2:
+                    p.mul_(weight_scale)
     model.save_pretrained(out, safe_serialization=True)
     for item in tokenizer_dir.iterdir():
         shutil.copy(item, out / item.name)
