@@ -15,7 +15,7 @@ import yaml
 from safetensors import safe_open
 
 from dflash_stream.bench.tiny_targets import build_config
-from dflash_stream.config import config_from_dict
+from dflash_stream.config import ConfigError, config_from_dict
 from dflash_stream.drafter import DFlashDrafter, build_spec, export_drafter, load_drafter
 from dflash_stream.drafter.evaluate import relative_difference, speedup_note
 from dflash_stream.drafter.export import OWN_EMBEDDING, spec_from_zlab_config
@@ -96,6 +96,17 @@ def test_speedup_above_tau_is_flagged_not_meaningful():
     assert relative_difference(2.02, 2.0) == pytest.approx(0.01) and relative_difference(None, 2.0) is None
 
 
+def test_eval_engine_keys_are_checked_in_one_line():
+    base = {"output_dir": "o", "data": {"sources": [{"path": "x.jsonl"}]}, "store": {"path": "s", "budget": "1GB"}}
+    cfg = config_from_dict({**base, "eval": {"endpoint": "http://node0:8000"}})
+    assert cfg.eval.endpoint == "http://node0:8000/v1" and cfg.eval.engine == "ours"
+    with pytest.raises(ConfigError, match=r"eval\.engine.*'ours' or 'vllm'") as err:
+        config_from_dict({**base, "eval": {"engine": "sglang"}})
+    assert "\n" not in str(err.value)
+    with pytest.raises(ConfigError, match=r"eval\.endpoint.*not an http\(s\) URL"):
+        config_from_dict({**base, "eval": {"endpoint": "node0:8000"}})
+
+
 def spec_for(family: str, **drafter):
     cfg = config_from_dict({
         "output_dir": "unused", "target": {"model": "unused", "layer_ids": [1, 3, 4]},
@@ -135,6 +146,45 @@ def test_gemma_export_records_its_scale_and_warns_for_vllm(tmp_path, caplog):
     assert plain.embed_scale == 1.0
     assert "input_embedding_scale" not in json.loads(
         (export_drafter(DFlashDrafter(plain), plain, tmp_path / "qwen3") / "config.json").read_text())["dflash_config"]
+
+
+def test_export_own_copies_the_targets_table_as_the_target_scales_it(tmp_path):
+    """`export RUN --embedding own` on a Gemma run: the table comes from the run's target (its config.yaml), scaled
+    by √hidden exactly as the target's embedding module scales it, in the drafter's dtype."""
+    from transformers import AutoModelForCausalLM
+
+    from dflash_stream.bench.synthetic import build_tokenizer
+    from dflash_stream.bench.tiny_targets import save_target
+    from dflash_stream.config import dump_config
+    from dflash_stream.drafter import save_checkpoint_drafter
+    from dflash_stream.drafter.commands import export_checkpoint
+    from dflash_stream.rundir import COMPLETE, RunDir
+    from dflash_stream.target_model import target_shape
+
+    build_tokenizer(512).save_pretrained(tmp_path / "tokenizer")
+    target = save_target("gemma3_text", tmp_path / "target", tmp_path / "tokenizer", vocab_size=512)
+    run = RunDir(tmp_path / "run")
+    cfg = config_from_dict({"output_dir": str(run.root), "target": {"model": str(target), "layer_ids": [1, 2, 3]},
+                            "data": {"sources": [{"path": "x.jsonl"}]}, "store": {"path": "s", "budget": "1GB"},
+                            "drafter": {"num_layers": 1, "block_size": 4, "mask_token_id": 0}})
+    run.root.mkdir()
+    run.config.write_text(dump_config(cfg))
+    spec = build_spec(cfg, target_shape(cfg.target, count=False), [1, 2, 3])
+    ckpt = run.checkpoint(7)
+    ckpt.mkdir(parents=True)
+    save_checkpoint_drafter(DFlashDrafter(spec).to(torch.bfloat16), spec, ckpt)
+    (ckpt / COMPLETE).touch()
+
+    line = export_checkpoint(run.root, tmp_path / "export", embedding="own")
+    assert "with its own embedding" in line
+    model = AutoModelForCausalLM.from_pretrained(target)
+    with safe_open(tmp_path / "export" / "model.safetensors", "pt") as f:
+        table = f.get_tensor(OWN_EMBEDDING)
+    rows = model.get_input_embeddings()(torch.arange(512)[None])[0]
+    assert table.dtype == torch.bfloat16 and table.shape == (512, 64)
+    torch.testing.assert_close(table, rows.to(torch.bfloat16), rtol=0, atol=0)
+    assert not torch.equal(table, model.get_input_embeddings().weight.to(torch.bfloat16))  # scaled, not raw
+    assert drafter_embedding_note(tmp_path / "export") is None
 
 
 # SGLang's DFlash draft model and its config parser (sgl-project/sglang, python/sglang/srt/models/dflash.py at

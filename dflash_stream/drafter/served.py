@@ -115,7 +115,8 @@ def read_counters(base_url: str, headers: dict[str, str] | None = None) -> SpecC
 
 
 def settled_counters(base_url: str, headers: dict[str, str] | None, drafts_at_least: int) -> SpecCounters:
-    """The counters once they stop moving (and count at least `drafts_at_least` drafts), within SETTLE_S."""
+    """The counters once two readings a moment apart agree (and count at least `drafts_at_least` drafts), or as
+    they are after SETTLE_S."""
     deadline = time.monotonic() + SETTLE_S
     last = read_counters(base_url, headers)
     while time.monotonic() < deadline:
@@ -231,7 +232,7 @@ def _ask(job: ServedEval, url: str, block_size: int, max_new_tokens: int) -> dic
     client.run([Prompt(-1, job.prompts[0], 2)], answers.append)  # warm-up, before the first reading
     if answers[0].tokens is None:
         raise EngineError(f"eval: {url} does not answer: {answers[0].error}")
-    before = read_counters(url)
+    before = settled_counters(url, None, 1)  # the warm-up's step counted
     if len(before.per_position) != block_size - 1:
         raise EngineError(f"eval: the server at {url} drafts {len(before.per_position)} tokens per step, this "
                           f"drafter's block is {block_size}: serve it with num_speculative_tokens {block_size - 1}")
