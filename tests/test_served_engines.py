@@ -333,8 +333,10 @@ def served_drafter(tmp_path_factory):
     drafter, spec = train_briefly(cfg, evaluator)
     export = export_drafter(drafter, spec, root / "drafter")
     del evaluator
+    # Eager: the start-up skips torch.compile (minutes on a small CPU); the bench serves compiled.
     server = vllm_server(target, root / "vllm.log", dtype="float32", max_model_len=512,
-                         speculative=dflash_speculator(export, spec.block_size), python=VLLM_PYTHON)
+                         speculative=dflash_speculator(export, spec.block_size), python=VLLM_PYTHON,
+                         extra_args=("--enforce-eager",))
     with server:
         server.start().wait_ready(900)
         yield config, prompts, export, server.url
@@ -361,5 +363,5 @@ def test_vllm_serving_the_drafter_accepts_as_our_loop_does(served_drafter, capsy
     for entry in (ours, vllm):
         assert len(entry["per_position"]) == 7 and sum(entry["per_position"]) == entry["accepted_tokens"]
         assert entry["per_position"] == sorted(entry["per_position"], reverse=True)  # k accepted => k-1 was
-    # Today's keys stay as they were, beside the engines.
-    assert result["acceptance_length"] == pytest.approx(ours["acceptance_length"], rel=0.05)
+    # Today's τ stays tokens emitted per step: a block cut by the budget emits fewer tokens than it accepted.
+    assert result["acceptance_length"] <= ours["acceptance_length"]
