@@ -363,12 +363,16 @@ class RolesConfig(Section):
         return world_size - trainers, trainers
 
 
+EVAL_ENGINES = ("ours", "vllm")
+"""Where `eval` measures τ: our own decoding loop, or also vLLM serving the export (`docs/engines.md`)."""
+
+
 class EvalConfig(Section):
     prompts: str | None = None
     """A jsonl of held-out prompts (chat messages or plain prompts) evaluated at the end of a run."""
     max_new_tokens: int = Field(64, ge=1)
     num_prompts: int | None = Field(None, ge=1)
-    engine: Literal["ours", "vllm"] = "ours"
+    engine: Literal[EVAL_ENGINES] = "ours"
     """ours: our own decoding loop (transformers); vllm: also the exported drafter served as vLLM's DFlash
     speculator, its τ beside ours (`docs/engines.md`): a local server from .venv-vllm, or `endpoint`."""
     endpoint: str | None = None

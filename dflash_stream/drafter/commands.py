@@ -6,6 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
+from dflash_stream.config import EVAL_ENGINES
 from dflash_stream.errors import DFlashError
 
 
@@ -157,7 +158,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--config", required=True, help="run config (its target section names the target)")
     p.add_argument("--prompts", required=True, help="jsonl of chat `messages` or plain `prompt` rows")
     p.add_argument("--max-new-tokens", type=int, default=None, help="default: eval.max_new_tokens")
-    p.add_argument("--engine", choices=("ours", "vllm"), default=None,
+    p.add_argument("--engine", choices=EVAL_ENGINES, default=None,
                    help="ours (our decoding loop), or vllm: also the drafter served as vLLM's DFlash speculator, "
                         "its tau beside ours (default: eval.engine)")
     p.add_argument("--endpoint", default=None, metavar="URL",

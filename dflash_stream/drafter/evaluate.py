@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from dflash_stream.config import Config, ConfigError
+from dflash_stream.config import EVAL_ENGINES, Config, ConfigError
 from dflash_stream.data.formats import RowError, split_for_regeneration, to_messages
 from dflash_stream.data.template import ChatEncoder
 from dflash_stream.drafter.export import load_drafter
@@ -27,11 +27,11 @@ from dflash_stream.target_model.loading import load_target, resolve_device, stop
 log = get_logger(__name__)
 
 Row = dict[str, Any]
-ENGINES = ("ours", "vllm")
 AGREEMENT = 0.02
 """Relative τ difference within which an engine agrees with ours (greedy on both sides, the same prompts)."""
 SPEEDUP_SLACK = 1.1
-"""A speedup above τ by more than this factor (timing noise) cannot come from drafting: flagged, not reported."""
+"""A speedup above τ by more than this factor (timing noise) cannot come from drafting: flagged as not
+meaningful."""
 
 
 def read_prompts(path: str | Path) -> list[Row]:
@@ -106,8 +106,8 @@ class Evaluator:
         always, vLLM's with engine vllm (a local server from .venv-vllm, or `endpoint`, a server the user started
         with this drafter; local files under `workdir`).
         """
-        if engine not in ENGINES:
-            raise ConfigError(f"eval.engine: '{engine}'; allowed: {', '.join(ENGINES)}")
+        if engine not in EVAL_ENGINES:
+            raise ConfigError(f"eval.engine: '{engine}'; allowed: {', '.join(EVAL_ENGINES)}")
         drafter, spec = load_drafter(drafter_dir, self.device)
         drafter.eval()
         if spec.vocab_size != self.head.embed_weight.shape[0]:

@@ -144,15 +144,20 @@ def drafter_embedding_note(drafter_dir: str | Path) -> str | None:
 # -- a vLLM server and the questions ------------------------------------------------------------------------------
 
 
+VLLM_GENERIC_ERRORS = ("Engine core initialization failed",)
+"""What vLLM's API server says after its engine process died: the cause is an earlier line."""
+
+
 def vllm_error(log_text: str) -> str | None:
-    """vLLM's own reason for not starting: the last `SomethingError: message` line of its log, without the
-    process prefix."""
-    found = None
+    """vLLM's own reason for not starting: the last `SomethingError: message` line of its log that is not a
+    generic follow-up, without the process prefix."""
+    found: list[str] = []
     for line in log_text.splitlines():
         match = re.search(r"\b(\w+(?:Error|Exception)): (.+)$", line)
-        if match and "Traceback" not in line:
-            found = f"{match.group(1)}: {match.group(2).strip()}"
-    return found
+        if match:
+            found.append(f"{match.group(1)}: {match.group(2).strip()}")
+    specific = [f for f in found if not any(g in f for g in VLLM_GENERIC_ERRORS)]
+    return (specific or found or [None])[-1]
 
 
 @dataclass
