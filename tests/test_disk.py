@@ -16,9 +16,9 @@ from test_pipeline import write_run_config
 from dflash_stream.cli import main
 from dflash_stream.config import load_config
 from dflash_stream.drafter import DFlashDrafter, DrafterSpec
-from dflash_stream.observe import disk
 from dflash_stream.observe.plan import build_plan
 from dflash_stream.pipeline import checkpoint as ckpt
+from dflash_stream.sizing.memory import DrafterDims
 from dflash_stream.store.budget import du
 
 REPO = Path(__file__).parent.parent
@@ -42,11 +42,17 @@ def test_drafter_params_count_the_real_model(heads, kv, head_dim, inter):
                        num_key_value_heads=kv, head_dim=head_dim, rope_theta=1e4, rms_norm_eps=1e-6,
                        vocab_size=100, block_size=4, mask_token_id=0, target_layer_ids=[1, 3, 5])
     real = sum(p.numel() for p in DFlashDrafter(spec).parameters())
-    shape = disk.DrafterShape(64, inter, 2, heads, kv, head_dim, 3, "test")
-    assert disk.drafter_params(shape) == real
-    # Without head counts: four square projections, an upper bound unless the queries are wider than hidden.
-    if heads * head_dim <= 64:
-        assert disk.drafter_params(disk.DrafterShape(64, inter, 2, None, None, None, 3, "test")) >= real
+    dims = DrafterDims(hidden_size=64, intermediate_size=inter, num_layers=2, num_attention_heads=heads,
+                       num_key_value_heads=kv, head_dim=head_dim, context_layers=3, vocab_size=100, block_size=4)
+    assert dims.num_parameters == real
+
+
+def test_the_disk_and_the_memory_model_count_one_drafter(capsys):
+    """Checkpoints and the export hold the drafter the memory model trains: one parameter count, also where the
+    config leaves the target's head count to be derived (Qwen3-8B's hints give only its KV heads and head_dim)."""
+    plan = _plan_json(REPO / "configs" / "qwen3-8b.yaml", capsys)
+    params = plan["disk"]["drafter_params"]
+    assert 4 * params == plan["memory"]["trainer"]["parts"]["drafter_parameters"]  # float32 weights
 
 
 def test_optimizer_state_in_bfloat16_is_smaller_and_resumes_close(tmp_path):
@@ -82,6 +88,31 @@ def test_keep_checkpoints_and_leftovers_of_interrupted_writes(tmp_path):
     (tmp_path / "checkpoints" / "step-40").mkdir()
     ckpt.begin(tmp_path, 50)  # the next checkpoint after the restart clears both: at most keep + 1 on disk
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [".step-50.tmp", "step-20"]
+
+
+def test_an_old_checkpoint_that_cannot_be_deleted_stops_the_next_run_before_any_work(tiny_target_dir, tmp_path,
+                                                                                     capsys, monkeypatch):
+    """A checkpoint older than train.keep_checkpoints that an earlier launch failed to delete is deleted before
+    the disk check counts the run's own files as free; when it still cannot be, the run stops in one line naming
+    it and the bytes it keeps, before the store is touched."""
+    config = write_run_config(tmp_path, tiny_target_dir, **{"train.keep_checkpoints": 1})
+    output = tmp_path / "out"
+    for step in (2, 4):
+        ckpt.save_torch({"step": step, "x": torch.zeros(2**18)}, ckpt.begin(output, step) / "trainer_state.pt")
+        ckpt.publish(output, step, keep=1, prune=False)
+    real_rmtree = ckpt.shutil.rmtree
+
+    def refusing_rmtree(path, *args, **kwargs):
+        if Path(path).name == "step-2" and not kwargs.get("ignore_errors"):
+            raise OSError(39, "Directory not empty", str(path))
+        return real_rmtree(path, *args, **kwargs)
+
+    monkeypatch.setattr(ckpt.shutil, "rmtree", refusing_rmtree)
+    assert main(["run", "--config", str(config)]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+    assert len(err) == 1 and "could not delete the old checkpoint" in err[0] and "/out/checkpoints/step-2 (" in err[0]
+    assert "bytes still on disk): OSError: [Errno 39] Directory not empty" in err[0]
+    assert not (output / "store").exists()
 
 
 def _plan_json(config: Path, capsys, *args: str) -> dict:

@@ -429,7 +429,7 @@ def test_export_command_from_checkpoint(tiny, tmp_path, capsys):
         reloaded, _ = load_drafter(out)
         for name, t in drafter_state(drafter).items():
             assert torch.equal(drafter_state(reloaded)[name], t)
-    assert main(["export", str(tmp_path / "nothing"), "--out", str(tmp_path / "x")]) == 2  # a user-fixable error (README: exit codes)
+    assert main(["export", str(tmp_path / "nothing"), "--out", str(tmp_path / "x")]) == 2  # a user-fixable error (docs/troubleshooting.md: exit codes)
     assert "neither a trainer checkpoint" in capsys.readouterr().err
 
 

@@ -27,8 +27,9 @@ from dflash_stream.drafter import (
     export_drafter,
     load_drafter,
 )
-from dflash_stream.drafter.export import spec_from_zlab_config, zlab_config
+from dflash_stream.drafter.export import zlab_config
 from dflash_stream.drafter.model import attend
+from dflash_stream.drafter.spec import spec_from_zlab_config
 from dflash_stream.target_model import target_shape
 
 FULL, SLIDING = "full_attention", "sliding_attention"

@@ -1,13 +1,15 @@
-"""The package's import graph points down the data flow. `python tests/test_layers.py` prints the graph.
+"""The package's import graph points down the data flow and has no circle. `python tests/test_layers.py` prints
+the graph.
 
 Every `dflash_stream` import is read from the source (lazy imports inside functions and type-only imports
-included, since both are arrows a reader follows), so a new upward import fails here before it tangles the
-parts.
+included, since both are arrows a reader follows), so a new upward import, or two modules that import each other
+through any path, fails here before it tangles the parts.
 """
 
 from __future__ import annotations
 
 import ast
+import graphlib
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -17,12 +19,13 @@ import yaml
 PACKAGE = Path(__file__).resolve().parent.parent / "dflash_stream"
 
 LAYERS = [
-    {"__init__", "config", "diskfull", "errors", "log", "preflight", "rundir"},  # the base every part may use
+    {"__init__", "config", "diskfull", "errors", "log", "preflight", "rundir", "units"},  # the base every part may use
     {"data"},
     {"target_model"},
     {"regenerate"},  # the target's answers to the data's prompts, from servers, into the response cache
     {"store"},
     {"drafter"},
+    {"sizing"},  # the run's sizes from its config: what plan shows and run checks (memory, disk, rates, split)
     {"observe"},  # metrics every role writes; plan, tune, status and report read the parts below
     {"pipeline"},  # the roles wire everything together
     {"bench"},
@@ -56,24 +59,32 @@ def _module_name(path: Path) -> str:
     return ".".join(names)
 
 
+def _imports_of(tree: ast.AST, where: str = "<source>") -> set[str]:
+    """The dflash_stream modules a parsed module imports, at any depth (functions, `if TYPE_CHECKING:`)."""
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            assert node.level == 0, f"{where}: relative import; the package imports by absolute names"
+            base = node.module or ""
+            # `from dflash_stream.pipeline import checkpoint` imports the module pipeline.checkpoint, not what
+            # pipeline/__init__.py defines; a name that is no submodule comes from the package's __init__.
+            folder = PACKAGE.parent / base.replace(".", "/")
+            modules = [alias.name for alias in node.names
+                       if (folder / f"{alias.name}.py").is_file() or (folder / alias.name / "__init__.py").is_file()]
+            targets = [f"{base}.{name}" for name in modules] + ([base] if len(modules) < len(node.names) else [])
+        else:
+            continue
+        found.update(t for t in targets if t == "dflash_stream" or t.startswith("dflash_stream."))
+    return found
+
+
 def import_graph() -> dict[str, set[str]]:
     """Module -> the dflash_stream modules it imports."""
     graph: dict[str, set[str]] = defaultdict(set)
     for path in sorted(PACKAGE.rglob("*.py")):
-        source = _module_name(path)
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            if isinstance(node, ast.Import):
-                targets = [alias.name for alias in node.names]
-            elif isinstance(node, ast.ImportFrom):
-                assert node.level == 0, f"{path}: relative import; the package imports by absolute names"
-                base = node.module or ""
-                # `from dflash_stream.pipeline import checkpoint` imports the module pipeline.checkpoint
-                targets = [base] + [f"{base}.{alias.name}" for alias in node.names
-                                    if (PACKAGE.parent / base.replace(".", "/") / f"{alias.name}.py").is_file()]
-            else:
-                continue
-            graph[source].update(t for t in targets if t == "dflash_stream" or t.startswith("dflash_stream."))
-        graph.setdefault(source, set())
+        graph[_module_name(path)].update(_imports_of(ast.parse(path.read_text(), str(path)), str(path)))
     return graph
 
 
@@ -94,6 +105,37 @@ def test_no_part_imports_a_part_above_it():
 def test_every_part_has_a_layer():
     for module in import_graph():
         _layer(_part(module))
+
+
+def import_circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Circles of imports among the package's modules, each as the path that closes it (`a -> b -> a`). Each
+    found circle's closing arrow is set aside and the search runs again, so every circle is named once at least."""
+    edges = {source: {t for t in targets if t in graph} for source, targets in graph.items()}
+    circles = []
+    while True:
+        try:
+            # TopologicalSorter takes {node: predecessors}; a circle is a circle whichever way its arrows point.
+            graphlib.TopologicalSorter(edges).prepare()
+            return circles
+        except graphlib.CycleError as err:
+            cycle = list(reversed(err.args[1]))  # importer first: a -> b -> ... -> a
+            circles.append(cycle)
+            edges[cycle[0]].discard(cycle[1])
+
+
+def test_no_import_circle():
+    circles = import_circles(import_graph())
+    assert not circles, "modules that import each other (function-level imports count):\n  " + "\n  ".join(
+        " -> ".join(c) for c in circles)
+
+
+def test_an_import_circle_is_caught():
+    """The check itself can fail: a circle through a function-level import, and one through three modules."""
+    graph = {"a": {"b"}, "b": {"a", "x"}, "c": {"d"}, "d": {"e"}, "e": {"c"}, "x": set()}
+    found = [sorted(c[:-1]) for c in import_circles(graph)]
+    assert sorted(found) == [["a", "b"], ["c", "d", "e"]]
+    source = "def f():\n    from dflash_stream.store.store import Store\n"
+    assert {"dflash_stream.store.store"} <= _imports_of(ast.parse(source))
 
 
 def test_extractor_and_trainer_meet_only_in_the_store():
@@ -118,7 +160,10 @@ if __name__ == "__main__":
     for (source, target), count in sorted(arrows.items(), key=lambda a: (_layer(a[0][0]), a[0])):
         mark = "   <-- UP" if _layer(target) > _layer(source) else ""
         print(f"{source:>13} -> {target:<13} ({count} import{'s' if count > 1 else ''}){mark}")
-    sys.exit(1 if upward_imports(import_graph()) else 0)
+    circles = import_circles(import_graph())
+    for circle in circles:
+        print("circle: " + " -> ".join(circle))
+    sys.exit(1 if upward_imports(import_graph()) or circles else 0)
 
 
 def test_cheap_commands_do_not_import_torch(tmp_path):

@@ -12,7 +12,8 @@ import yaml
 from dflash_stream.cli import main
 from dflash_stream.config import ConfigError, load_config
 from dflash_stream.errors import DFlashError
-from dflash_stream.observe.memory import (
+from dflash_stream.observe.plan import TargetShape, build_plan, read_launch
+from dflash_stream.sizing.memory import (
     DrafterDims,
     startup_check,
     target_dims,
@@ -20,7 +21,7 @@ from dflash_stream.observe.memory import (
     trainer_memory,
     worst_train_batch,
 )
-from dflash_stream.observe.plan import TargetShape, best_split, build_plan, read_launch, split_alternatives
+from dflash_stream.sizing.work import best_split, split_alternatives
 
 ROOT = Path(__file__).parent.parent
 HEADLINE = ROOT / "configs" / "qwen3.6-27b-4gpu.yaml"
@@ -330,7 +331,7 @@ def test_generation_cache_follows_the_layer_types():
 
 
 def test_regeneration_and_extraction_rates_use_the_layer_types_and_active_parameters(tmp_path: Path):
-    from dflash_stream.observe.plan import estimated_rates, regeneration_estimate
+    from dflash_stream.sizing.work import estimated_rates, regeneration_estimate
 
     cfg = load_config(_config(tmp_path, data={"sources": [{"path": "org/x"}], "regenerate": True,
                                               "max_length": 4096, "generation": {"batch_size": 8}}))
@@ -354,7 +355,7 @@ def test_regeneration_and_extraction_rates_use_the_layer_types_and_active_parame
 def test_extractor_memory_has_no_regeneration_with_engine_openai(tmp_path: Path):
     """The servers decode beside the launch: an extractor holds the capture forward alone, as without
     regeneration, and `run`'s startup check and the knob never point at data.generation.batch_size."""
-    from dflash_stream.observe.memory import memory_plan
+    from dflash_stream.sizing.memory import memory_plan
     from dflash_stream.target_model.shape import target_shape
 
     def extractor(**data):

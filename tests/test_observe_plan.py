@@ -350,7 +350,7 @@ def _regen_config(tmp_path: Path, engine: str = "openai", regenerate: bool = Tru
 def test_plan_openai_with_a_measured_rate_is_samples_x_response_over_the_endpoints(tmp_path: Path) -> None:
     """tokens_per_s set: all the answers take samples x response tokens / (tokens_per_s x endpoints), whatever the
     split of the launch, and the extraction side overlaps it (the slower of the two sets its pace)."""
-    from dflash_stream.observe.plan import MEASURED_SERVER_RATE, PROMPT_SHARE
+    from dflash_stream.sizing.work import MEASURED_SERVER_RATE, PROMPT_SHARE
 
     samples, mean = 10_000, 1_500
     response = mean * (1 - PROMPT_SHARE)  # 1,000 tokens per answer
@@ -406,7 +406,7 @@ def test_plan_openai_estimate_falls_with_more_endpoints_and_is_labelled(tmp_path
 def test_plan_openai_split_excludes_regeneration(tmp_path: Path) -> None:
     """The extractors do not decode with engine openai: their work per sample and the chosen split are those of a
     run without regeneration, while engine hf adds the decoding to the extractors (and shifts the split)."""
-    from dflash_stream.observe.plan import role_work
+    from dflash_stream.sizing.work import role_work
     from dflash_stream.target_model.shape import target_shape
 
     def work_and_split(cfg):

@@ -12,8 +12,7 @@ import yaml
 
 from dflash_stream.cli import main
 from dflash_stream.config import load_config
-from dflash_stream.pipeline.common import open_store, store_layout
-from dflash_stream.pipeline.extractor import pass_order
+from dflash_stream.pipeline.common import open_store, pass_order, store_layout
 from dflash_stream.pipeline.replay import StoreReplay
 from dflash_stream.pipeline.roles import RoleInfo
 from dflash_stream.store import Store

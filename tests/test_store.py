@@ -452,7 +452,7 @@ def test_status_and_dump_commands(tmp_path, capsys):
     assert dumped["hidden_states"].dtype == torch.bfloat16
     assert torch.equal(dumped["hidden_states"].view(torch.int16), samples[1].hidden_states.view(torch.int16))
     assert dumped["input_ids"].tolist() == samples[1].input_ids.tolist()
-    assert main(["store", "dump", str(store.path), "--sample-id", "99", "--out", str(out)]) == 2  # a user-fixable error (README: exit codes)
+    assert main(["store", "dump", str(store.path), "--sample-id", "99", "--out", str(out)]) == 2  # a user-fixable error (docs/troubleshooting.md: exit codes)
     assert "sample 99 is not in the store" in capsys.readouterr().err
 
 

@@ -170,7 +170,7 @@ def compile_run(cfg: Config, device: torch.device, *, backward: bool, min_batche
     from dflash_stream.drafter import model as drafter_model
     from dflash_stream.pipeline.common import store_layout
     from dflash_stream.target_model import target_shape
-    from dflash_stream.target_model.loading import model_location
+    from dflash_stream.target_model.location import model_location
 
     layer_ids, hidden = store_layout(cfg)
     location, kwargs = model_location(cfg.target)

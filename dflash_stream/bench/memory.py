@@ -1,4 +1,4 @@
-"""`dflash-stream bench memory`: the memory model (`observe/memory.py`) against measured peaks, and the chunked
+"""`dflash-stream bench memory`: the memory model (`sizing/memory.py`) against measured peaks, and the chunked
 LM-head loss against the unchunked one.
 
 Every measurement runs in a fresh child process, which first warms up the same code at a tiny size (so that
@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash_stream.errors import DFlashError
-from dflash_stream.observe.memory import (
+from dflash_stream.sizing.memory import (
     DrafterDims,
     TargetDims,
     extractor_memory,
@@ -33,7 +33,7 @@ from dflash_stream.observe.memory import (
     train_batch,
     trainer_memory,
 )
-from dflash_stream.observe.units import fmt_bytes
+from dflash_stream.units import fmt_bytes
 
 TOLERANCE = 0.25  # estimates within +-25 % of measured
 DRAFTER = {"hidden_size": 256, "intermediate_size": 768, "num_layers": 2, "num_attention_heads": 4,
@@ -241,7 +241,7 @@ def _trainer_estimate(size: dict[str, int], cuda: bool) -> tuple[int, dict[str, 
 
 
 def _extractor_estimate(size: dict[str, int], cuda: bool) -> tuple[int, dict[str, int]]:
-    from dflash_stream.observe.memory import target_dims
+    from dflash_stream.sizing.memory import target_dims
     from dflash_stream.target_model.shape import TargetShape
 
     t = TARGET

@@ -14,14 +14,12 @@ from torch import Tensor
 
 from dflash_stream.config import ConfigError
 from dflash_stream.drafter.model import DFlashDrafter
-from dflash_stream.drafter.spec import FULL, SLIDING, DrafterSpec
+from dflash_stream.drafter.spec import CONFIG, WEIGHTS, DrafterSpec, spec_from_zlab_config
 from dflash_stream.log import get_logger
 
 log = get_logger(__name__)
 
-WEIGHTS = "model.safetensors"
 SPEC = "drafter_spec.json"
-CONFIG = "config.json"
 MODELING = "dflash.py"
 """The self-contained modeling file `auto_map` points at (a copy of drafter/hf_modeling.py)."""
 AUTO_MAP = {"AutoModel": "dflash.DFlashDraftModel"}
@@ -87,59 +85,6 @@ def _layout_fields(spec: DrafterSpec) -> dict[str, Any]:
         return {"use_sliding_window": False, "sliding_window": None, "layer_types": list(spec.layer_types)}
     return {"use_sliding_window": True, "sliding_window": spec.sliding_window, "max_window_layers": spec.num_layers,
             "layer_types": list(spec.layer_types)}
-
-
-def _layout(config: dict[str, Any]) -> tuple[list[str], int | None]:
-    """(layer_types, sliding_window) of a z-lab config, read as transformers' Qwen3Config reads them."""
-    n = config["num_hidden_layers"]
-    window = config.get("sliding_window") if config.get("use_sliding_window") else None
-    types = config.get("layer_types") or [
-        SLIDING if window is not None and i >= config.get("max_window_layers", 28) else FULL for i in range(n)
-    ]
-    causal = config.get("is_causal")
-    # z-lab's dflash: `is_causal` unset makes sliding layers causal and full layers not; set, it forces all.
-    if causal is not None and any((t == SLIDING) != bool(causal) for t in types):
-        raise ConfigError(
-            f"a DFlash config with is_causal={causal} and layer_types {types} is not supported: dflash-stream's "
-            "drafter has causal sliding layers and non-causal full layers (z-lab's default, is_causal unset)"
-        )
-    return list(types), window if SLIDING in types else None
-
-
-def _rope_scaling(config: dict[str, Any]) -> dict[str, Any] | None:
-    """rope_scaling of a z-lab config, or the scaled part of its rope_parameters (transformers 5 writes those)."""
-    if config.get("rope_scaling"):
-        return dict(config["rope_scaling"])
-    params = dict(config.get("rope_parameters") or {})
-    if params.get("rope_type", "default") == "default":
-        return None
-    params.pop("rope_theta", None)
-    return params
-
-
-def spec_from_zlab_config(config: dict[str, Any]) -> DrafterSpec:
-    dflash = config["dflash_config"]
-    layer_types, window = _layout(config)
-    return DrafterSpec(
-        hidden_size=config["hidden_size"],
-        intermediate_size=config["intermediate_size"],
-        num_layers=config["num_hidden_layers"],
-        num_attention_heads=config["num_attention_heads"],
-        num_key_value_heads=config["num_key_value_heads"],
-        head_dim=config["head_dim"],
-        rope_theta=config.get("rope_theta") or config["rope_parameters"]["rope_theta"],
-        rms_norm_eps=config["rms_norm_eps"],
-        vocab_size=config["vocab_size"],
-        block_size=config["block_size"],
-        mask_token_id=dflash["mask_token_id"],
-        target_layer_ids=list(dflash["target_layer_ids"]),
-        num_target_layers=config["num_target_layers"],
-        max_position_embeddings=config["max_position_embeddings"],
-        rope_scaling=_rope_scaling(config),
-        layer_types=layer_types,
-        sliding_window=window,
-        embed_scale=float(dflash.get("input_embedding_scale", 1.0)),
-    )
 
 
 def vllm_embedding_note(embed_scale: float, own_embedding: bool) -> str | None:

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dflash_stream.config import ConfigError, TargetConfig
-from dflash_stream.target_model.loading import model_location
+from dflash_stream.target_model.location import model_location
 from dflash_stream.target_model.shape import model_shape, target_shape
 
 

@@ -1,4 +1,5 @@
-"""The drafter's shape: everything needed to rebuild it and to write its `config.json`."""
+"""The drafter's shape: everything needed to rebuild it and to write its `config.json`, from the run's config or from
+a z-lab drafter's `config.json` (`spec_from_zlab_config`, what `drafter.init_from` and `load_drafter` read)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,21 @@ from pathlib import Path
 from typing import Any
 
 from dflash_stream.config import Config, ConfigError
+from dflash_stream.log import get_logger
 from dflash_stream.target_model.loading import load_tokenizer
-from dflash_stream.target_model.shape import FULL, SLIDING, TargetShape
+from dflash_stream.target_model.shape import (
+    FULL,
+    MLP_PER_HIDDEN,
+    SLIDING,
+    TargetShape,
+    default_intermediate_size,
+)
+
+log = get_logger(__name__)
+
+CONFIG = "config.json"
+WEIGHTS = "model.safetensors"
+"""The two files of a z-lab drafter folder: what `export.export_drafter` writes and `drafter.init_from` reads."""
 
 LAYER_TYPES = (FULL, SLIDING)
 """Drafter layer types. Sliding layers follow z-lab's dflash (model.py, `_attention_mask`): a block token at
@@ -114,11 +128,61 @@ def _first(*values: Any) -> Any:
     return next((v for v in values if v is not None), None)
 
 
+def _layout(config: dict[str, Any]) -> tuple[list[str], int | None]:
+    """(layer_types, sliding_window) of a z-lab config, read as transformers' Qwen3Config reads them."""
+    n = config["num_hidden_layers"]
+    window = config.get("sliding_window") if config.get("use_sliding_window") else None
+    types = config.get("layer_types") or [
+        SLIDING if window is not None and i >= config.get("max_window_layers", 28) else FULL for i in range(n)
+    ]
+    causal = config.get("is_causal")
+    # z-lab's dflash: `is_causal` unset makes sliding layers causal and full layers not; set, it forces all.
+    if causal is not None and any((t == SLIDING) != bool(causal) for t in types):
+        raise ConfigError(
+            f"a DFlash config with is_causal={causal} and layer_types {types} is not supported: dflash-stream's "
+            "drafter has causal sliding layers and non-causal full layers (z-lab's default, is_causal unset)"
+        )
+    return list(types), window if SLIDING in types else None
+
+
+def _rope_scaling(config: dict[str, Any]) -> dict[str, Any] | None:
+    """rope_scaling of a z-lab config, or the scaled part of its rope_parameters (transformers 5 writes those)."""
+    if config.get("rope_scaling"):
+        return dict(config["rope_scaling"])
+    params = dict(config.get("rope_parameters") or {})
+    if params.get("rope_type", "default") == "default":
+        return None
+    params.pop("rope_theta", None)
+    return params
+
+
+def spec_from_zlab_config(config: dict[str, Any]) -> DrafterSpec:
+    dflash = config["dflash_config"]
+    layer_types, window = _layout(config)
+    return DrafterSpec(
+        hidden_size=config["hidden_size"],
+        intermediate_size=config["intermediate_size"],
+        num_layers=config["num_hidden_layers"],
+        num_attention_heads=config["num_attention_heads"],
+        num_key_value_heads=config["num_key_value_heads"],
+        head_dim=config["head_dim"],
+        rope_theta=config.get("rope_theta") or config["rope_parameters"]["rope_theta"],
+        rms_norm_eps=config["rms_norm_eps"],
+        vocab_size=config["vocab_size"],
+        block_size=config["block_size"],
+        mask_token_id=dflash["mask_token_id"],
+        target_layer_ids=list(dflash["target_layer_ids"]),
+        num_target_layers=config["num_target_layers"],
+        max_position_embeddings=config["max_position_embeddings"],
+        rope_scaling=_rope_scaling(config),
+        layer_types=layer_types,
+        sliding_window=window,
+        embed_scale=float(dflash.get("input_embedding_scale", 1.0)),
+    )
+
+
 def read_init_from(path: str) -> tuple[Path, DrafterSpec]:
     """(its config.json, its spec) of the z-lab drafter folder that `drafter.init_from` names."""
-    # A late import: export imports this module.
-    from dflash_stream.drafter.export import CONFIG, WEIGHTS, spec_from_zlab_config
-
     folder = Path(path).expanduser()
     for name in (CONFIG, WEIGHTS):
         if not (folder / name).is_file():
@@ -160,7 +224,10 @@ def build_spec(cfg: Config, tc: TargetShape, layer_ids: list[int], tokenizer: An
             f"drafter.num_key_value_heads={kv_heads} must divide drafter.num_attention_heads={heads}"
         )
     head_dim = _first(d.head_dim, from_init("head_dim"), tc.head_dim) or hidden // heads
-    intermediate = _first(d.intermediate_size, from_init("intermediate_size"), tc.intermediate_size)
+    intermediate = _first(d.intermediate_size, from_init("intermediate_size"), default_intermediate_size(tc))
+    if intermediate != tc.intermediate_size and d.intermediate_size is None and init is None:
+        log.info("drafter MLP width %d (%d x hidden): the target has no dense MLP to copy (a MoE-only family); "
+                 "set drafter.intermediate_size to choose another", intermediate, MLP_PER_HIDDEN)
     layer_types = list(_first(d.layer_types, from_init("layer_types")) or [FULL] * d.num_layers)
     window = _first(d.sliding_window, from_init("sliding_window")) if SLIDING in layer_types else None
     vocab = tc.vocab_size

@@ -47,8 +47,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from dflash_stream.observe.memory import parse_size
     from dflash_stream.observe.plan import build_plan, render_plan
+    from dflash_stream.sizing.memory import parse_size
 
     gpu_memory = parse_size(args.gpu_memory) if args.gpu_memory else None
     plan = build_plan(load_config(args.config, args.overrides), args.samples, args.mean_tokens, args.processes,

@@ -2,12 +2,13 @@
 
 Everything comes from the config (plus the target's config.json / GGUF header when the model is local, the
 accelerate launch file, and OUTPUT/tune.json when `tune` has measured this model); every estimate carries the
-source it came from. Memory per role comes from `observe.memory`, the split of the launch from `pipeline.roles`.
+source it came from. The arithmetic a run checks too lives in `sizing/` (memory per role, the disk footprint,
+the roles' rates and the split of the launch); this module adds what only the plan shows (data volumes, the
+buffer's wraps, time per phase, checkpoints' cost, epochs) and renders the whole page.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import shutil
 from pathlib import Path
@@ -16,19 +17,16 @@ from typing import Any
 import yaml
 
 from dflash_stream.config import HOLDING_SHARE, REPLAY_WINDOW_BYTES, Config, ConfigError
-from dflash_stream.observe.memory import TargetDims, drafter_dims, memory_plan, render_memory, target_dims
-from dflash_stream.observe.units import fmt_bytes, fmt_count, fmt_duration
+from dflash_stream.sizing.disk import footprint_for, refusal
+from dflash_stream.sizing.inputs import plan_mean_tokens, plan_samples, read_tune
+from dflash_stream.sizing.memory import memory_plan
+from dflash_stream.sizing.work import device_kind, role_work, split_plan
 from dflash_stream.target_model.loading import GPU_EXTRA_INSTALL, TORCH_GDN_SLOWDOWN
 from dflash_stream.target_model.shape import LINEAR, TargetShape, target_shape
+from dflash_stream.units import fmt_bytes, fmt_count, fmt_duration
 
 # The codec's design ratio (store/codecs.py, measured on SmolLM2-135M states) until `tune` measures this target.
 DESIGN_RATIO_NOTE = "measured on SmolLM2-135M states, README Benchmarks (run `tune` to measure this target)"
-# Effective (not peak) throughput of one process when nothing was measured: H100-class bf16 at ~40 % MFU,
-# or two CPU cores (SmolLM2-135M forwards ~700 tokens/s there, `bench extract`).
-ASSUMED_FLOPS = {"gpu": 4.0e14, "cpu": 1.9e11}
-# Effective memory bandwidth of one process, for bandwidth-bound decoding: ~70 % of an H100's 3.35 TB/s HBM3
-# (96 GB-class parts such as H100 NVL and GH200 are faster), or two-channel DDR on a CPU.
-ASSUMED_BANDWIDTH = {"gpu": 2.4e12, "cpu": 2.0e10}
 # Effective write bandwidth of a checkpoint: rank 0 serialises the whole drafter and optimizer state, then fsyncs.
 # Local NVMe sustains more, network filesystems (NFS, Lustre under load) often less.
 ASSUMED_CHECKPOINT_WRITE = {"gpu": 1.0e9, "cpu": 0.5e9}
@@ -36,14 +34,10 @@ ASSUMED_CHECKPOINT_WRITE = {"gpu": 1.0e9, "cpu": 0.5e9}
 # measured 2.57 GB in 0.63 s beside a running optimizer on this project's 2-core CPU machine (~4 GB/s).
 ASSUMED_SNAPSHOT_COPY = 4.0e9
 CHECKPOINT_STALL_WARN = 0.05  # warn when checkpoints stop training for more than this share of its time
-# Share of the ideal N-fold speed a server split over N GPUs (tensor parallel) reaches: the per-layer all-reduces.
-TP_EFFICIENCY = 0.8
-MEASURED_SERVER_RATE = "data.generation.tokens_per_s (measured, e.g. by `dflash-stream bench regenerate`)"
-PROMPT_SHARE = 1 / 3  # assumed prompt part of a regenerated sample's tokens (chat and code answers run long)
 THIN_MARGIN = 0.2  # warn when the disk left after the budget is under this fraction of the budget
 REUSE_WINDOW_STEPS_MEASURED = 4.5
 """The smallest buffer window, in optimizer steps of samples, at which `bench quality` measured a drafter
-trained with epoch_source reuse as good as offline (README, Quality: 34 samples at 10 % of its dump, 7.5
+trained with epoch_source reuse as good as offline (docs/benchmarks.md, Quality: 34 samples at 10 % of its dump, 7.5
 samples per 1,024-token step); at 2 % (0.9 steps) its held-out loss was 4 % worse. With reuse a sample's epochs
 fall that many steps apart, so steps (not the share of the dump) say how close its repeats come. Steps are
 counted as here: batch_tokens x grad_accum x trainers over the mean sample length."""
@@ -81,133 +75,6 @@ def read_launch(path: str | None, processes: int | None) -> dict[str, Any]:
             "source": str(path)}
 
 
-def _count_rows(path: Path) -> int | None:
-    """Rows of a local json/jsonl/parquet file, read cheaply; None when the layout is not a plain row list."""
-    if path.suffix == ".json":
-        try:
-            rows = json.loads(path.read_text())
-            return len(rows) if isinstance(rows, list) else None
-        except json.JSONDecodeError:
-            pass  # JSON Lines under a .json name, which the datasets loader also accepts
-    if path.suffix in (".json", ".jsonl"):
-        with path.open("rb") as f:
-            return sum(1 for line in f if line.strip())
-    if path.suffix == ".parquet":
-        import pyarrow.parquet as pq
-
-        return pq.ParquetFile(path).metadata.num_rows
-    return None
-
-
-def source_rows(path: str) -> int | None:
-    """Rows of a local source (file, or folder searched like the data loader does); None for hub datasets."""
-    p = Path(path).expanduser()
-    if p.is_dir():
-        counts = [_count_rows(f) for f in sorted(p.rglob("*")) if f.suffix in (".json", ".jsonl", ".parquet")]
-        return sum(counts) if counts and None not in counts else None
-    return _count_rows(p) if p.is_file() else None
-
-
-def read_tune(cfg: Config, shape: TargetShape, layer_ids: list[int]) -> tuple[dict[str, Any] | None, str | None]:
-    """OUTPUT/tune.json when it was measured on this target and layer set; else (None, why it was ignored)."""
-    path = Path(cfg.output_dir) / "tune.json"
-    if not path.is_file():
-        return None, None
-    tune = json.loads(path.read_text())
-    if tune.get("layer_ids") != layer_ids or tune.get("hidden_size") != shape.hidden_size:
-        return None, f"{path} was measured on another target/layer set; ignored"
-    return tune, None
-
-
-def device_kind(cfg: Config) -> str:
-    return "cpu" if cfg.target.device == "cpu" else "gpu"
-
-
-def estimated_rates(cfg: Config, shape: TargetShape, layer_ids: list[int], mean_tokens: float) -> dict[str, Any]:
-    """Tokens/s of one extractor and one trainer from FLOP counts at an assumed effective device throughput."""
-    kind = device_kind(cfg)
-    flops = ASSUMED_FLOPS[kind]
-    dims = target_dims(shape)
-    # Early stop: the forward runs only up to the deepest captured layer, through each layer's active
-    # parameters (MoE: the routed experts top-k of n).
-    extract_per_token = 2 * dims.active_layer_parameters * (max(layer_ids) + 1)
-    drafter = drafter_dims(cfg, dims, len(layer_ids))
-    d, vocab = drafter.hidden_size, dims.vocab_size
-    # Per block token: drafter layers forward+backward (6·P) and the frozen LM head (forward + input grad, 4·V·D).
-    per_block_token = 6 * (drafter.linear_parameters - drafter.context_layers * d * d) + 4 * vocab * d
-    blocks = min(cfg.train.num_anchors, mean_tokens)
-    per_sample = blocks * cfg.drafter.block_size * per_block_token + 6 * len(layer_ids) * shape.hidden_size * d * mean_tokens
-    note = f"estimated: FLOP count at an assumed {flops / 1e12:g} TFLOP/s effective per {kind.upper()} process"
-    return {
-        "extract_tok_s": flops / extract_per_token,
-        "train_tok_s": flops * mean_tokens / per_sample,
-        "note": note + ("" if shape.vocab_size else f", vocab assumed {vocab:,}"),
-    }
-
-
-def _rate(cfg_value: float | None, tuned: float | None, estimate: float, tune_note: str, est_note: str
-          ) -> tuple[float, str]:
-    """The first known of: a configured throughput, tune's measurement, the FLOP estimate."""
-    if cfg_value:
-        return cfg_value, "config"
-    if tuned:
-        return tuned, tune_note
-    return estimate, est_note
-
-
-DATA_SUMMARY_NOTE = "counted by `dflash-stream data`"
-
-
-def read_data_summary(cfg: Config) -> dict[str, Any] | None:
-    """OUTPUT/data/summary.json that `dflash-stream data` wrote for this config's data (same data spec and
-    max_length), else None: samples kept after filtering and their mean length."""
-    from dflash_stream.data.spec import data_spec_digest
-
-    path = Path(cfg.output_dir) / "data" / "summary.json"
-    if not path.is_file():
-        return None
-    summary = json.loads(path.read_text())
-    same = summary.get("data_spec") == data_spec_digest(cfg) and summary.get("max_length") == cfg.data.max_length
-    return summary if same else None
-
-
-def _samples(cfg: Config, samples: int | None) -> tuple[int | None, str]:
-    from dflash_stream.data import plan_rows
-
-    if samples:
-        return samples, "given (--samples)"
-    expected = cfg.data.expected_samples
-    if expected:
-        return expected, "config (data.expected_samples)"
-    counted = read_data_summary(cfg)
-    if counted:
-        return counted["samples"], f"{DATA_SUMMARY_NOTE}: kept after filtering, of {counted['rows']:,} rows"
-    sizes, how = [], set()
-    for src in cfg.data.sources:
-        rows = source_rows(src.path)
-        if rows is None and src.limit is None:
-            return None, f"unknown: {src.path} is not a local file; pass --samples"
-        sizes.append(min(rows, src.limit or rows) if rows is not None else src.limit)
-        how.add("rows counted" if rows is not None else "source limit")
-    # The data part's own row plan: limits, and weights that repeat rows.
-    return len(plan_rows(cfg.data, sizes)), f"{' + '.join(sorted(how))}, before filtering"
-
-
-def _mean_tokens(cfg: Config, mean_tokens: float | None, tune: dict | None) -> tuple[float, str]:
-    if mean_tokens:
-        return mean_tokens, "given (--mean-tokens)"
-    configured = cfg.data.mean_tokens
-    if configured:
-        return configured, "config (data.mean_tokens)"
-    if tune and tune.get("mean_tokens"):
-        return tune["mean_tokens"], f"measured by tune on {tune['samples']} samples"
-    counted = read_data_summary(cfg)
-    if counted and counted.get("mean_tokens"):
-        return counted["mean_tokens"], (f"{DATA_SUMMARY_NOTE} over {counted['samples']:,} samples "
-                                        f"({counted['mean_tokens_basis']})")
-    return cfg.data.max_length / 2, "assumed: data.max_length / 2 (pass --mean-tokens or run tune)"
-
-
 def disk_space(cfg: Config, budget: int) -> dict[str, Any]:
     """Free space where the store will live; an existing store's own files count as reusable."""
     store = Path(cfg.store.path).absolute()
@@ -218,33 +85,6 @@ def disk_space(cfg: Config, budget: int) -> dict[str, Any]:
     free = shutil.disk_usage(probe).free + existing
     return {"checked": str(probe), "free_bytes": free, "store_existing_bytes": existing,
             "headroom_bytes": free - budget}
-
-
-def footprint_for(cfg: Config, target: TargetShape, num_capture_layers: int, samples: int | None,
-                  mean_tokens: float | None, tune: dict | None, ratio: float | None = None) -> dict[str, Any]:
-    """The whole disk footprint (observe/disk.py) from the plan's figures; unknown ones are counted here."""
-    from dflash_stream.observe import disk
-
-    if samples is None:
-        samples = _samples(cfg, None)[0]
-    if mean_tokens is None:
-        mean_tokens = _mean_tokens(cfg, None, tune)[0]
-    shape = disk.drafter_shape(cfg, target, num_capture_layers)
-    params = disk.drafter_params(shape)
-    from dflash_stream.store import codecs, sizes
-
-    ratio = ratio or codecs.get(cfg.store.codec).design_ratio
-    per_sample = sizes.raw_bytes_per_token(num_capture_layers * target.hidden_size) * mean_tokens
-    tokens = samples * mean_tokens if samples else None
-    steps = cfg.train.total_steps or (math.ceil(tokens * cfg.train.epochs / (
-        cfg.train.batch_tokens * cfg.train.grad_accum * disk.trainer_count(cfg))) if tokens else None)
-    if steps and cfg.train.max_steps:
-        steps = min(steps, cfg.train.max_steps)
-    uses = (math.ceil(per_sample * samples / int(cfg.store.segment_bytes)) * cfg.extraction_passes
-            * cfg.store.reuse if samples else None)
-    parts = disk.run_parts(cfg, params, samples, mean_tokens, steps, uses,
-                           samples_in_budget=min(int(cfg.store.budget) / (per_sample / ratio), samples or math.inf))
-    return {**disk.footprint(cfg, parts), "drafter_params": params, "drafter_params_source": shape.source}
 
 
 def build_plan(cfg: Config, samples: int | None = None, mean_tokens: float | None = None,
@@ -264,8 +104,8 @@ def build_plan(cfg: Config, samples: int | None = None, mean_tokens: float | Non
     if tune_ignored:
         warnings.append(tune_ignored)
 
-    n_samples, samples_source = _samples(cfg, samples)
-    mean, mean_source = _mean_tokens(cfg, mean_tokens, tune)
+    n_samples, samples_source = plan_samples(cfg, samples)
+    mean, mean_source = plan_mean_tokens(cfg, mean_tokens, tune)
     tokens = n_samples * mean if n_samples else None
 
     codec = cfg.store.codec
@@ -318,8 +158,6 @@ def build_plan(cfg: Config, samples: int | None = None, mean_tokens: float | Non
     disk = disk_space(cfg, budget)
     disk.update(footprint_for(cfg, shape, len(layer_ids), n_samples, mean, tune, ratio))
     if not disk["fits"]:
-        from dflash_stream.observe.disk import refusal
-
         warnings.append(f"{refusal(cfg, disk)}; `run` refuses to start")
     if disk["headroom_bytes"] < 0:
         warnings.append(f"store.budget {fmt_bytes(budget)} exceeds the free space at {disk['checked']} "
@@ -379,133 +217,8 @@ def build_plan(cfg: Config, samples: int | None = None, mean_tokens: float | Non
         "epochs": _epoch_costs(cfg, time_plan, volume, tokens),
         "store_cores": store_cores(codec, width, time_plan, tune),
         "kernels": kernel_assumptions(shape, device_kind(cfg)),
-        "host_memory": host_memory(cfg, width, ratio, time_plan["checkpoints"]["bytes"]),
+        "host_memory": host_memory(cfg, width, ratio, time_plan["checkpoints"]["bytes"], n_samples),
         "warnings": warnings,
-    }
-
-
-def regeneration_estimate(cfg: Config, dims: TargetDims, mean: float, kind: str) -> dict[str, Any]:
-    """What regenerating the answers costs, by `data.generation.engine`: hf on the extractors
-    (`seconds_per_sample` on one process, see `_hf_regeneration`), openai on the servers beside the launch
-    (`seconds_per_sample` on all the endpoints together, see `_server_regeneration`)."""
-    if cfg.data.generation.engine == "openai":
-        return _server_regeneration(cfg, dims, mean, kind)
-    return _hf_regeneration(cfg, dims, mean, kind)
-
-
-def _hf_regeneration(cfg: Config, dims: TargetDims, mean: float, kind: str) -> dict[str, Any]:
-    """Seconds per sample to regenerate its response on one process. Decoding is memory-bandwidth bound: each
-    step reads all the weights and the batch's cache once, and yields one token per row of the batch. The cache
-    follows the layer types: K/V on attention layers only (sliding ones up to their window), and on
-    linear-attention layers a fixed-size state that each step reads and writes back."""
-    from dflash_stream.observe.memory import target_dtype_bytes
-
-    gen = cfg.data.generation
-    prompt = mean * PROMPT_SHARE
-    steps = max(1.0, min(gen.max_new_tokens, cfg.data.max_length - prompt))
-    dtype_bytes = target_dtype_bytes(cfg, kind)
-    # All the weights: a MoE batch of rows x top-k routes touches most experts every step.
-    weights = dims.num_parameters * dtype_bytes
-    kv_read = gen.batch_size * dims.mean_kv_cache_bytes(prompt, prompt + steps, dtype_bytes)
-    state_traffic = gen.batch_size * 2 * dims.state_bytes
-    bandwidth, flops = ASSUMED_BANDWIDTH[kind], ASSUMED_FLOPS[kind]
-    step = max((weights + kv_read + state_traffic) / bandwidth, 2 * dims.active_parameters * gen.batch_size / flops)
-    prefill = prompt * 2 * dims.active_parameters / flops  # compute bound, like extraction
-    cache = f"the batch's mean KV cache ({fmt_bytes(kv_read)})"
-    if state_traffic:
-        cache += f" and its linear-attention state, read and written ({fmt_bytes(state_traffic)})"
-    return {
-        "engine": "hf", "seconds_per_sample": steps * step / gen.batch_size + prefill,
-        "step_seconds": step, "decode_steps_per_batch": steps, "batch_size": gen.batch_size,
-        "prompt_tokens": prompt, "response_tokens": mean - prompt,
-        "weight_bytes": weights, "kv_bytes_read_per_step": kv_read, "state_bytes_per_step": state_traffic,
-        "bandwidth_bytes_per_s": bandwidth,
-        "assumptions": [
-            f"prompt/response split {PROMPT_SHARE:.0%}/{1 - PROMPT_SHARE:.0%} of the {mean:,.0f} tokens per sample "
-            f"(prompt {prompt:,.0f}, response {mean - prompt:,.0f})",
-            f"a batch of {gen.batch_size} decodes {steps:,.0f} steps (until its longest response: assumed to run "
-            "to data.generation.max_new_tokens or max_length)",
-            f"each step reads the weights ({fmt_bytes(weights)}) and {cache} at an assumed "
-            f"{bandwidth / 1e12:g} TB/s effective per {kind.upper()} process",
-            f"prefill compute bound at {flops / 1e12:g} TFLOP/s effective",
-        ],
-    }
-
-
-def _server_regeneration(cfg: Config, dims: TargetDims, mean: float, kind: str) -> dict[str, Any]:
-    """Regeneration on serving engines (engine openai): the endpoints generate `tokens_per_s` each, so all the
-    answers take samples x response tokens / (tokens_per_s x endpoints); `seconds_per_sample` is that per
-    sample, on all the endpoints together. tokens_per_s is data.generation.tokens_per_s when measured, else
-    `_server_tokens_per_s`'s estimate."""
-    gen = cfg.data.generation
-    prompt = mean * PROMPT_SHARE
-    response = mean - prompt
-    endpoints = len(gen.endpoints)
-    out: dict[str, Any] = {
-        "engine": "openai", "endpoints": endpoints, "concurrency": gen.concurrency,
-        "gpus_per_endpoint": gen.gpus_per_endpoint, "prompt_tokens": prompt, "response_tokens": response,
-        "assumptions": [f"prompt/response split {PROMPT_SHARE:.0%}/{1 - PROMPT_SHARE:.0%} of the {mean:,.0f} "
-                        f"tokens per sample (prompt {prompt:,.0f}, response {response:,.0f})"],
-    }
-    if gen.tokens_per_s:
-        out.update(tokens_per_s=gen.tokens_per_s, tokens_per_s_source=MEASURED_SERVER_RATE)
-    else:
-        out.update(_server_tokens_per_s(cfg, dims, prompt, response, kind))
-        out["assumptions"] += out.pop("estimate_assumptions")
-    out["seconds_per_sample"] = response / (out["tokens_per_s"] * endpoints)
-    return out
-
-
-def _server_tokens_per_s(cfg: Config, dims: TargetDims, prompt: float, response: float, kind: str
-                         ) -> dict[str, Any]:
-    """Generated tokens/s of one endpoint, estimated like `_hf_regeneration` (bandwidth-bound decoding) but with
-    a serving engine's continuous batching: every step decodes `concurrency` sequences (fewer when the server's
-    memory holds fewer), a finished answer's slot is refilled at once, so no row waits for the batch's longest
-    answer, and the paged KV cache holds what the running answers have, on average prompt + half an answer.
-    Chunked prefill runs inside the decode steps: its FLOPs are added to theirs. A server spans
-    `gpus_per_endpoint` devices of the launch's kind (tensor parallel: each reads its share of the weights and
-    cache, at TP_EFFICIENCY for the all-reduces)."""
-    from dflash_stream.observe.memory import USABLE_FRACTION, device_memory, target_dtype_bytes
-
-    gen = cfg.data.generation
-    gpus = gen.gpus_per_endpoint
-    dtype_bytes = target_dtype_bytes(cfg, kind)
-    weights = dims.num_parameters * dtype_bytes
-    kv_per_sequence = dims.mean_kv_cache_bytes(prompt, prompt + response, dtype_bytes)
-    # The server keeps as many sequences running as its memory (after the weights) holds: vLLM's default
-    # gpu_memory_utilization is the same 0.9 as the memory plan's usable share.
-    device, device_source = device_memory(cfg, kind, None, 1)
-    room = gpus * device * USABLE_FRACTION - weights
-    fit = int(room // (kv_per_sequence + dims.state_bytes)) if room > 0 else 0
-    running = max(1, min(gen.concurrency, fit))
-    kv_read = running * kv_per_sequence
-    state_traffic = running * 2 * dims.state_bytes
-    efficiency = TP_EFFICIENCY if gpus > 1 else 1.0
-    bandwidth, flops = ASSUMED_BANDWIDTH[kind] * gpus * efficiency, ASSUMED_FLOPS[kind] * gpus * efficiency
-    # Per step: `running` tokens decoded, and the prefill of the answers they finish (running / response of them).
-    step_flops = 2 * dims.active_parameters * running * (1 + prompt / response)
-    step = max((weights + kv_read + state_traffic) / bandwidth, step_flops / flops)
-    cache = f"the running answers' mean paged KV cache ({fmt_bytes(kv_read)})"
-    if state_traffic:
-        cache += f" and their linear-attention state, read and written ({fmt_bytes(state_traffic)})"
-    per_device = f"{ASSUMED_BANDWIDTH[kind] / 1e12:g} TB/s and {ASSUMED_FLOPS[kind] / 1e12:g} TFLOP/s effective per "
-    per_device += f"{kind.upper()} (a device of the launch's kind)"
-    tp = f", {gpus} per server at {TP_EFFICIENCY:.0%} tensor-parallel efficiency" if gpus > 1 else ", one per server"
-    running_note = (f"{running} sequences decoded per step (data.generation.concurrency)" if running == gen.concurrency
-                    else f"{running} sequences decoded per step: the server's memory ({gpus} x {fmt_bytes(device)}, "
-                    f"{device_source}) holds only {fit} of the {gen.concurrency} requests in flight beside the weights")
-    return {
-        "tokens_per_s": running / step,
-        "tokens_per_s_source": "estimated (no data.generation.tokens_per_s; measure it with `dflash-stream bench "
-                               "regenerate`)",
-        "running_sequences": running, "sequences_that_fit": fit, "step_seconds": step, "weight_bytes": weights,
-        "kv_bytes_read_per_step": kv_read, "state_bytes_per_step": state_traffic,
-        "bandwidth_bytes_per_s": bandwidth, "weights_fit": room > 0,
-        "estimate_assumptions": [
-            f"continuous batching: {running_note}; no padding to the longest answer",
-            f"each step reads the weights ({fmt_bytes(weights)}) and {cache}, with chunked prefill's FLOPs, at "
-            f"{per_device}{tp}",
-        ],
     }
 
 
@@ -519,89 +232,6 @@ def kernel_assumptions(shape: TargetShape, kind: str) -> list[str]:
     return [f"Gated-DeltaNet layers via flash-linear-attention + causal-conv1d (`{GPU_EXTRA_INSTALL}`); without "
             f"them transformers' torch path is ~{TORCH_GDN_SLOWDOWN:.1f}x slower (transformers #48718: 1.22 s vs "
             "0.70 s per step), and `run` says so when it loads the target"]
-
-
-def role_work(cfg: Config, shape: TargetShape, layer_ids: list[int], mean: float, tune: dict | None
-              ) -> dict[str, Any]:
-    """Per-process rates of each role and the seconds of work one sample costs each role on one process."""
-    est = estimated_rates(cfg, shape, layer_ids, mean)
-    tune_note = f"measured by tune ({tune.get('device', '?')})" if tune else ""
-    ext_rate, ext_src = _rate(cfg.extract.tokens_per_s, (tune or {}).get("extract_tok_s"),
-                              est["extract_tok_s"], tune_note, est["note"])
-    train_rate, train_src = _rate(cfg.train.tokens_per_s, (tune or {}).get("train_tok_s"),
-                                  est["train_tok_s"], tune_note, est["note"])
-    regen = regeneration_estimate(cfg, target_dims(shape), mean, device_kind(cfg)) if cfg.data.regenerate else None
-    # Engine hf decodes on the extractors; engine openai on the servers beside the launch, so the split of the
-    # launch is chosen without it (`_time_plan` overlaps it with extraction).
-    on_extractors = regen["seconds_per_sample"] if regen and regen["engine"] == "hf" else 0.0
-    return {
-        "extract_tok_s": ext_rate, "extract_source": ext_src, "train_tok_s": train_rate, "train_source": train_src,
-        "regenerate": regen,
-        # One sample's work per role on one process: regeneration happens once (responses are cached), the
-        # forward once per extraction pass, the drafter step once per epoch.
-        "extractor_seconds_per_sample": on_extractors + mean * cfg.extraction_passes / ext_rate,
-        "trainer_seconds_per_sample": mean * cfg.train.epochs / train_rate,
-    }
-
-
-def split_alternatives(processes: int, extract_seconds: float, train_seconds: float) -> list[dict[str, Any]]:
-    """Wall time of every split of `processes`. `extract_seconds` and `train_seconds` are the whole run's work
-    of each role on one process (regeneration included with engine hf); a role's processes share it evenly (data shards for
-    extractors, data parallelism for trainers), and the slower role sets the pace."""
-    return [
-        {"extractors": processes - t, "trainers": t,
-         "wall_seconds": max(extract_seconds / (processes - t), train_seconds / t)}
-        for t in range(1, processes)
-    ]
-
-
-def best_split(alternatives: list[dict[str, Any]]) -> dict[str, Any]:
-    """The fastest split; on a tie the one with fewer trainers (fewer ranks in the trainers' collectives)."""
-    return min(alternatives, key=lambda a: (round(a["wall_seconds"], 6), a["trainers"]))
-
-
-def split_plan(cfg: Config, processes: int, work: dict[str, Any], samples: int | None) -> dict[str, Any]:
-    """The roles of a launch of `processes`: the chosen split, and the wall time of every split."""
-    scale = samples or 1  # the best split depends only on the ratio of the roles' work
-    ext, train = work["extractor_seconds_per_sample"] * scale, work["trainer_seconds_per_sample"] * scale
-    source = f"extract {work['extract_source']}; train {work['train_source']}"
-    if processes == 1 or cfg.roles.mode == "single":
-        return {"mode": "single", "extractors": 1, "trainers": 1, "chosen_by": "one process alternates",
-                "wall_seconds": ext + train if samples else None, "alternatives": [], "source": source}
-    alternatives = split_alternatives(processes, ext, train)
-    best = best_split(alternatives)
-    configured = cfg.roles.trainers
-    chosen = best if configured == "auto" else next((a for a in alternatives if a["trainers"] == configured), None)
-    if chosen is None:
-        raise ConfigError(f"roles.trainers={configured} leaves no extractor in a launch of {processes} process(es); "
-                          f"allowed: 1..{processes - 1} or auto")
-    out = {"mode": "split", "extractors": chosen["extractors"], "trainers": chosen["trainers"],
-           "chosen_by": "roles.trainers: auto (shortest wall time)" if configured == "auto" else "roles.trainers",
-           "wall_seconds": chosen["wall_seconds"] if samples else None,
-           "alternatives": [{**a, "wall_seconds": a["wall_seconds"] if samples else None} for a in alternatives],
-           "best_trainers": best["trainers"], "source": source}
-    out["alternatives_relative"] = [a["wall_seconds"] / best["wall_seconds"] for a in alternatives]
-    if chosen is not best and chosen["wall_seconds"] > best["wall_seconds"] * 1.05:
-        out["better"] = (f"roles.trainers={configured} takes {_fmt_relative(chosen, best, samples)}; "
-                         f"{best['trainers']} trainer(s) would be faster (set roles.trainers: auto)")
-    return out
-
-
-def _fmt_relative(chosen: dict, best: dict, samples: int | None) -> str:
-    if samples:
-        return f"{fmt_duration(chosen['wall_seconds'])} against {fmt_duration(best['wall_seconds'])}"
-    return f"{chosen['wall_seconds'] / best['wall_seconds']:.1f}x as long"
-
-
-def plan_roles(cfg: Config, processes: int, allow_download: bool = False) -> dict[str, Any]:
-    """The split `plan` would choose for a launch of `processes` (what `run` uses for roles.trainers: auto)."""
-    from dflash_stream.target_model import resolve_layer_ids
-
-    shape = target_shape(cfg.target, download=allow_download)
-    layer_ids = resolve_layer_ids(shape.num_layers, cfg.target)
-    tune, _ = read_tune(cfg, shape, layer_ids)
-    mean, _ = _mean_tokens(cfg, None, tune)
-    return split_plan(cfg, processes, role_work(cfg, shape, layer_ids, mean, tune), None)
 
 
 def gpu_count(cfg: Config, processes: int) -> dict[str, int]:
@@ -839,6 +469,24 @@ def render_plan(plan: dict[str, Any]) -> str:
     out += render_store_cores(plan["store_cores"])
     out += [f"\nwarning: {w}" for w in plan["warnings"]]
     return "\n".join(out)
+
+
+def render_memory(mem: dict[str, Any]) -> list[str]:
+    """The memory section of plan's terminal page."""
+    out = [f"memory per process  (device {fmt_bytes(mem['device_bytes'])} [{mem['device_source']}]; estimates may "
+           f"fill {mem['usable_fraction']:.0%} = {fmt_bytes(mem['usable_bytes'])})"]
+    if mem["single_process"]:
+        out.append("  one process holds both roles: each role's peak sits beside the other's resident part")
+    for role in ("extractor", "trainer"):
+        r = mem[role]
+        verdict = "fits" if r["fits"] else f"DOES NOT FIT: {r['knob']}"
+        phases = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in r["phases"].items())
+        batch = ", ".join(f"{k} {v:,}" for k, v in r["worst_batch"].items())
+        out.append(f"  {role:<10}{fmt_bytes(r['total_bytes']):>12}  {verdict}  (phases: {phases})")
+        out.append(f"  {'':<10}{'':>12}  worst batch: {batch}")
+        out += [f"  {'':<10}{fmt_bytes(v):>12}  {k}" for k, v in r["parts"].items() if v]
+    out += [f"  assumed: {a}" for a in mem["assumptions"]]
+    return out
 
 
 def render_disk(disk: dict[str, Any]) -> list[str]:

@@ -18,8 +18,8 @@ import yaml
 
 from dflash_stream.observe.metrics import read_metrics
 from dflash_stream.observe.summary import read_summary, summary_table
-from dflash_stream.observe.units import fmt_bytes, fmt_count, fmt_duration
 from dflash_stream.rundir import RunDir, checkpoint_step
+from dflash_stream.units import fmt_bytes, fmt_count, fmt_duration
 
 STALE_AFTER_S = 120.0  # a rank silent this long, whose process cannot be checked, is presumed stopped
 

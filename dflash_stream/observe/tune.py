@@ -20,7 +20,7 @@ import torch
 
 from dflash_stream.config import Config, ConfigError
 from dflash_stream.observe.plan import disk_space
-from dflash_stream.observe.units import fmt_bytes, fmt_duration
+from dflash_stream.units import fmt_bytes, fmt_duration
 
 if TYPE_CHECKING:
     from dflash_stream.data import PreparedSample

@@ -1,8 +1,11 @@
-"""What every role needs to agree on before touching the store: its fingerprint and its worst-case segment."""
+"""What every role needs to agree on before touching the store: its fingerprint, its worst-case segment, and the
+order in which an extraction pass (the target's or a kept store's replay) writes the samples."""
 
 from __future__ import annotations
 
 from typing import Any
+
+import numpy as np
 
 from dflash_stream.config import Config, dump_config
 from dflash_stream.data.spec import data_spec, data_spec_digest
@@ -85,3 +88,12 @@ def log_store_event(metrics, store, **fields: Any) -> None:
         ready=st["segments"]["ready"], claimed=st["segments"]["claimed"],
         segments_released=st["segments"]["released"], **fields,
     )
+
+
+def pass_order(items: list, seed: int, pass_index: int) -> list:
+    """The order of a pass: the data's own for the first, a fresh seeded shuffle for each later one (so that
+    extracting every epoch anew, `train.epoch_source: reextract`, reshuffles the whole data every epoch). The same
+    for every run of the same config, so a resumed pass extracts what it lacks in the same order."""
+    if pass_index == 0:
+        return list(items)
+    return [items[i] for i in np.random.default_rng([seed, pass_index]).permutation(len(items))]

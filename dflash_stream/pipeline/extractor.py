@@ -27,19 +27,20 @@ from dflash_stream.errors import DFlashError
 from dflash_stream.log import get_logger, progress, setup_logging
 from dflash_stream.observe.metrics import MetricsWriter
 from dflash_stream.pipeline.common import (
-    data_spec_digest,
     log_store_event,
     open_store,
+    pass_order,
     save_resolved_config,
     store_layout,
 )
 from dflash_stream.pipeline.guard import hold_output, stop_with_launcher
 from dflash_stream.pipeline.packing import SegmentPacker
+from dflash_stream.pipeline.replay import StoreReplay
 from dflash_stream.pipeline.roles import RoleInfo, assign_uniform
 from dflash_stream.preflight import check_run_paths
-from dflash_stream.regenerate.cache import ResponseCache
+from dflash_stream.regenerate.cache import ResponseCache, answers_key, describe_other_caches
 from dflash_stream.regenerate.phase import ServerRegenerator, summary_lines
-from dflash_stream.store import Sample, Store, lease, sizes
+from dflash_stream.store import Sample, Store, WriterStopped, lease, sizes
 from dflash_stream.target_model import (
     load_target,
     model_shape,
@@ -55,15 +56,6 @@ log = get_logger(__name__)
 
 WINDOW_SEGMENTS = 4
 """Segments' worth of samples sorted by length together."""
-
-
-def pass_order(items: list, seed: int, pass_index: int) -> list:
-    """The order of a pass: the data's own for the first, a fresh seeded shuffle for each later one (so that
-    extracting every epoch anew, `train.epoch_source: reextract`, reshuffles the whole data every epoch). The same
-    for every run of the same config, so a resumed pass extracts what it lacks in the same order."""
-    if pass_index == 0:
-        return list(items)
-    return [items[i] for i in np.random.default_rng([seed, pass_index]).permutation(len(items))]
 
 
 class NonFiniteStates(DFlashError):
@@ -158,14 +150,20 @@ class Extractor:
         self.capture = LayerCapture(self.model, self.layer_ids)
         self._host = HostCopier(device)
         self.samples, self.report = prepare_shard(cfg, self.tokenizer, role.index, role.count)
-        self.cache = ResponseCache(cfg.output_dir, data_spec_digest(cfg), role.index) if cfg.data.regenerate else None
+        self.cache: ResponseCache | None = None
         self._server: ServerRegenerator | None = None
-        if self.cache is not None and cfg.data.generation.engine == "openai":
-            # The extractors share data.generation.concurrency: each keeps its part of it in flight.
-            self._server = ServerRegenerator(cfg, self.tokenizer, self.cache,
-                                             stop_token_ids(self.model, self.tokenizer),
-                                             concurrency=math.ceil(cfg.data.generation.concurrency / role.count),
-                                             on_progress=lambda figures: metrics.log("regenerate", **figures))
+        if cfg.data.regenerate:
+            stop_ids = stop_token_ids(self.model, self.tokenizer)
+            key = answers_key(cfg, self.tokenizer, stop_ids)
+            self.cache = ResponseCache(cfg.output_dir, key, role.index)
+            other = describe_other_caches(cfg.output_dir, key) if role.index == 0 else None
+            if other:
+                log.warning("%s", other)
+            if cfg.data.generation.engine == "openai":
+                # The extractors share data.generation.concurrency: each keeps its part of it in flight.
+                self._server = ServerRegenerator(cfg, self.tokenizer, self.cache, stop_ids,
+                                                 concurrency=math.ceil(cfg.data.generation.concurrency / role.count),
+                                                 on_progress=lambda figures: metrics.log("regenerate", **figures))
         self._dropped: dict[int, tuple[str, str]] = {}
         width = len(self.layer_ids) * shape.hidden_size
         self.bytes_per_token = sizes.raw_bytes_per_token(width)
@@ -211,8 +209,8 @@ class Extractor:
             self.extract_seconds += time.perf_counter() - self._run_started
         if not finished:
             return False
+        self._finish_report()  # before the end of data: a trainer that finds nothing to train reads it
         self.writer.finish()
-        self._finish_report()
         self._log_progress(self.extract_seconds)  # the final count, also when the last samples dropped out
         self._bar.close()
         if self._regen_bar is not None:
@@ -384,13 +382,16 @@ class Extractor:
     def _respond(self, prompts: list[PreparedSample]) -> list[PreparedSample]:
         """Prompts completed with the target's own (cached or newly generated) responses; short ones dropped."""
         gen, max_length = self.cfg.data.generation, self.cfg.data.max_length
-        missing = sorted((s for s in prompts if self.cache.get(s.sample_id) is None), key=lambda s: s.num_tokens)
+        self.cache.refresh()  # another writer's earlier answer to one of these is the one to take
+        missing = sorted((s for s in prompts if s.sample_id not in self.cache), key=lambda s: s.num_tokens)
         if self._server is not None:
-            self._server.wait([s.sample_id for s in missing])
+            if not self._server.wait([s.sample_id for s in missing], self.writer.stop_when):
+                raise WriterStopped(f"writer {self.writer.id} stopped waiting for the servers' answers: it was told "
+                                    "to stop")
             missing = []
         if missing and self._regen_bar is None:
             # Its own bar: generating is usually slower than the forward pass that captures the states.
-            todo = sum(1 for s in self.samples if self.cache.get(s.sample_id) is None)
+            todo = sum(1 for s in self.samples if s.sample_id not in self.cache)
             self._regen_bar = progress(total=todo, unit="sample", desc="regenerate")
         for first in range(0, len(missing), gen.batch_size):
             chunk = missing[first : first + gen.batch_size]
@@ -460,6 +461,14 @@ class Extractor:
             self.report.warn_if_few()
 
 
+def make_extractor(cfg: Config, role: RoleInfo, store: Store, metrics: MetricsWriter, device: torch.device
+                   ) -> Extractor | StoreReplay:
+    """The target's extractor, or the replay of a kept store when extract.from_store names one."""
+    if cfg.extract.from_store:
+        return StoreReplay(cfg, role, store, metrics)
+    return Extractor(cfg, role, store, metrics, device)
+
+
 def extract_command(args: argparse.Namespace) -> int:
     stop_with_launcher()
     cfg = load_config(args.config, args.overrides)
@@ -478,8 +487,6 @@ def extract_command(args: argparse.Namespace) -> int:
     metrics.log("start", config=cfg.model_dump(mode="json"))
     # From before the target loads: a trainer waiting on the store sees this extractor alive.
     with store.heartbeat(f"extractor-{role.index}"):
-        from dflash_stream.pipeline.replay import make_extractor
-
         extractor = make_extractor(cfg, role, store, metrics, device)
         extractor.run()
         # While a trainer runs beside this launch, stay to extract again any segment it finds damaged.

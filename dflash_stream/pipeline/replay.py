@@ -16,15 +16,13 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
 from dflash_stream.config import REPLAY_WINDOW_BYTES, Config
 from dflash_stream.data.report import DataReport
 from dflash_stream.errors import DFlashError
 from dflash_stream.log import get_logger, progress
 from dflash_stream.observe.metrics import MetricsWriter
-from dflash_stream.pipeline.common import log_store_event, store_fingerprint
-from dflash_stream.pipeline.extractor import Extractor, pass_order
+from dflash_stream.pipeline.common import log_store_event, pass_order, store_fingerprint
 from dflash_stream.pipeline.packing import SegmentPacker
 from dflash_stream.pipeline.roles import RoleInfo
 from dflash_stream.store import Sample, SegmentInfo, Store, StoredSample
@@ -60,14 +58,6 @@ def open_kept_store(cfg: Config, store: Store) -> tuple[Store, list[SegmentInfo]
         log.warning("replaying the fp8 (lossy) states of %s into a %s store: they keep fp8's error", path,
                     cfg.store.codec)
     return kept, first
-
-
-def make_extractor(cfg: Config, role: RoleInfo, store: Store, metrics: MetricsWriter, device: torch.device
-                   ) -> Extractor | StoreReplay:
-    """The target's extractor, or the replay of a kept store when extract.from_store names one."""
-    if cfg.extract.from_store:
-        return StoreReplay(cfg, role, store, metrics)
-    return Extractor(cfg, role, store, metrics, device)
 
 
 def as_sample(stored: StoredSample) -> Sample:

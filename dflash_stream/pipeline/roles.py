@@ -2,7 +2,7 @@
 
 Ranks `0 .. E-1` extract and ranks `E .. W-1` train, so the trainers form one contiguous data-parallel group
 whose collectives never involve an extractor. `roles.trainers: auto` takes the split `plan` finds fastest
-(`observe.plan.split_plan`): extractors and trainers stream side by side, so the slower side sets the pace.
+(`sizing.work.split_plan`): extractors and trainers stream side by side, so the slower side sets the pace.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def resolve_trainers(cfg: Config, world_size: int) -> tuple[int, str]:
     parts = len(list(resume.glob("trainer-*.pt"))) if resume is not None else 0
     if 0 < parts < world_size:
         return parts, f"roles.trainers: auto; resuming {resume.name}, which {parts} trainer(s) wrote"
-    from dflash_stream.observe.plan import plan_roles
+    from dflash_stream.sizing.work import plan_roles
 
     roles = plan_roles(cfg, world_size, allow_download=True)
     walls = ", ".join(f"{a['extractors']}+{a['trainers']}: {r:.2f}x" for a, r in

@@ -8,8 +8,8 @@ from typing import Any
 
 from dflash_stream.errors import DFlashError
 from dflash_stream.log import get_logger
-from dflash_stream.observe.units import fmt_duration
 from dflash_stream.store.heartbeat import describe_writers
+from dflash_stream.units import fmt_duration
 
 log = get_logger(__name__)
 

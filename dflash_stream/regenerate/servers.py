@@ -56,7 +56,7 @@ def safetensors_copy(target: TargetConfig, tokenizer, workdir: Path, model=None)
     """A folder of safetensors a server can load: the target's own folder, or a GGUF target converted once into
     `workdir` (dequantized, in the dtype the extractors run it in) and reused while the GGUF file is unchanged.
     `model`: the target already loaded, to spare loading it again."""
-    from dflash_stream.target_model.loading import model_location
+    from dflash_stream.target_model.location import model_location
 
     location, _ = model_location(target)
     if not target.gguf_file:
@@ -250,7 +250,7 @@ def vllm_binding(log_text: str) -> tuple[list[int], list[int]] | None:
 
 def kv_cache_gib(target: TargetConfig, tokens: int) -> int:
     """Whole GiB (what VLLM_CPU_KVCACHE_SPACE takes) of float32 keys and values for `tokens` tokens."""
-    from dflash_stream.target_model.loading import load_target_config
+    from dflash_stream.target_model.location import load_target_config
 
     config = load_target_config(target).get_text_config()
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads

@@ -1,23 +1,21 @@
-"""Where the target lives, what shape it has, and loading it (torch is imported only when needed)."""
+"""Loading the target: device, dtype, tokenizer, weights, stop tokens, and the check for the kernels a hybrid
+needs on CUDA (torch is imported only when needed). Where the target lives is `location.py`."""
 
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import os
 from collections.abc import Callable
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from dflash_stream.config import ConfigError, TargetConfig
 from dflash_stream.log import get_logger
-from dflash_stream.preflight import looks_local
+from dflash_stream.target_model.location import model_location
+from dflash_stream.target_model.shape import LINEAR, TargetShape, model_shape
 
 if TYPE_CHECKING:
     import torch
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
-
-    from dflash_stream.target_model.shape import TargetShape
 
 GDN_KERNEL_MODULES = ("fla", "causal_conv1d")
 """What transformers imports for fast Gated-DeltaNet layers on CUDA (flash-linear-attention's chunked delta rule,
@@ -25,40 +23,6 @@ Dao-AILab's causal conv1d); without them it runs a torch reference path."""
 GPU_EXTRA_INSTALL = "pip install 'dflash-stream[gpu]'"
 TORCH_GDN_SLOWDOWN = 1.22 / 0.70
 """transformers #48718: a Qwen3.5 step took 1.22 s on the torch path against 0.70 s with the kernels."""
-
-
-def model_location(target: TargetConfig) -> tuple[str, dict[str, Any]]:
-    """(path or hub id, extra `from_pretrained` kwargs) for the target named in the config."""
-    location = target.model
-    if location.startswith("package:"):
-        package = location.removeprefix("package:")
-        spec = importlib.util.find_spec(package)
-        if spec is None or not spec.submodule_search_locations:
-            raise ConfigError(f"target.model: package '{package}' is not installed (pip install it first)")
-        location = spec.submodule_search_locations[0]
-    elif not Path(location).expanduser().exists() and looks_local(location):
-        # Said here, or transformers takes the path for a hub repo id and complains about its spelling.
-        raise ConfigError(f"target.model: local folder '{location}' does not exist")
-    kwargs: dict[str, Any] = {"trust_remote_code": target.trust_remote_code}
-    if target.gguf_file:
-        if not (Path(location) / target.gguf_file).is_file():
-            raise ConfigError(f"target.gguf_file: {target.gguf_file} not found in {location}")
-        kwargs["gguf_file"] = target.gguf_file
-    if target.revision:
-        kwargs["revision"] = target.revision
-    return location, kwargs
-
-
-def load_target_config(target: TargetConfig):
-    """The target's transformers config (reads config.json or the GGUF header, not the weights)."""
-    from transformers import AutoConfig
-
-    location, kwargs = model_location(target)
-    try:
-        return AutoConfig.from_pretrained(location, **kwargs)
-    except OSError as err:
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise ConfigError(f"target.model: cannot read a model config from '{target.model}': {first}") from None
 
 
 def resolve_device(target: TargetConfig) -> torch.device:
@@ -86,8 +50,6 @@ def resolve_dtype(target: TargetConfig, device: torch.device) -> torch.dtype:
 def missing_gdn_kernels(device_type: str, shape: TargetShape, importable: Callable[[str], bool]) -> list[str]:
     """The Gated-DeltaNet kernel modules a CUDA run of this target would miss (`importable(module)` says whether
     one imports); empty off CUDA (the kernels are CUDA-only) and for targets without linear-attention layers."""
-    from dflash_stream.target_model.shape import LINEAR
-
     if device_type != "cuda" or LINEAR not in shape.layer_type_counts:
         return []
     return [m for m in GDN_KERNEL_MODULES if not importable(m)]
@@ -104,8 +66,6 @@ def _importable(module: str) -> bool:
 
 def warn_slow_gdn(model: PreTrainedModel, device: torch.device) -> None:
     """One warning line when a hybrid target runs on CUDA without the kernels that make its linear layers fast."""
-    from dflash_stream.target_model.shape import model_shape
-
     missing = missing_gdn_kernels(device.type, model_shape(model), _importable)
     if missing:
         get_logger("target").warning(

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash_stream.config import ConfigError, TargetConfig
+from dflash_stream.target_model.location import load_target_config, model_location
 
 FULL, SLIDING, LINEAR = "full_attention", "sliding_attention", "linear_attention"
 KV_LAYER_TYPES = (FULL, SLIDING, "chunked_attention")
@@ -80,6 +81,18 @@ class TargetShape:
             "vocab_size": self.vocab_size, "layer_types": self.layer_type_counts,
             "num_parameters": self.num_parameters, "active_parameters": self.active_parameters,
         }
+
+
+MLP_PER_HIDDEN = 3
+"""A drafter's MLP width over its hidden size where the target has no dense MLP to copy (MoE-only families such
+as Qwen3.5/3.6-MoE give `moe_intermediate_size` and `shared_expert_intermediate_size`, no `intermediate_size`):
+z-lab's drafter for Qwen3.5-35B-A3B (hidden 2048) has intermediate_size 6144."""
+
+
+def default_intermediate_size(target: TargetShape) -> int:
+    """A drafter's MLP width when drafter.intermediate_size is unset: the target's dense MLP width, else
+    MLP_PER_HIDDEN x hidden."""
+    return target.intermediate_size or MLP_PER_HIDDEN * target.hidden_size
 
 
 def text_config_of(config: Any) -> Any:
@@ -222,8 +235,6 @@ def target_shape(target: TargetConfig, *, download: bool = False, hints: bool = 
     """The shape from the model's config when it is a local folder; else from the `target.*` hints (plan without
     the model at hand) unless `hints` is off; else, with `download` (a run that loads the model anyway), from
     the config on the hub. A run passes hints=False: its store must be laid out by the model itself."""
-    from dflash_stream.target_model.loading import load_target_config, model_location
-
     location, _ = model_location(target)
     if not Path(location).exists():
         if hints and target.num_layers and target.hidden_size:

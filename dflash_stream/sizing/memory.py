@@ -14,7 +14,9 @@ Each role's peak is a sum of named parts, counted from what the code allocates (
 
 The worst micro-batch is the one the token batcher can cut with the most block tokens: short samples, many per
 batch, every position an anchor (see `worst_train_batch`). `dflash-stream bench memory` measures the real
-trainer step and extractor forward against these estimates.
+trainer step and extractor forward against these estimates. `plan` shows them (observe/plan.py renders them);
+`run` checks its role against its GPU before any work (`startup_check`). `DrafterDims.num_parameters` is the one
+count of the drafter's parameters (the disk footprint's checkpoints and export use it too).
 """
 
 from __future__ import annotations
@@ -27,8 +29,8 @@ from pydantic import ByteSize, TypeAdapter, ValidationError
 
 from dflash_stream.config import Config, ConfigError
 from dflash_stream.errors import DFlashError
-from dflash_stream.observe.units import fmt_bytes
-from dflash_stream.target_model.shape import KV_LAYER_TYPES, SLIDING
+from dflash_stream.target_model.shape import KV_LAYER_TYPES, SLIDING, default_intermediate_size
+from dflash_stream.units import fmt_bytes
 
 if TYPE_CHECKING:
     from dflash_stream.target_model.shape import TargetShape
@@ -210,7 +212,7 @@ def drafter_dims(cfg: Config, target: TargetDims, context_layers: int) -> Drafte
     heads = d.num_attention_heads or target.num_attention_heads
     return DrafterDims(
         hidden_size=target.hidden_size,
-        intermediate_size=d.intermediate_size or target.intermediate_size,
+        intermediate_size=d.intermediate_size or default_intermediate_size(target.shape),
         num_layers=d.num_layers,
         num_attention_heads=heads,
         num_key_value_heads=d.num_key_value_heads or target.num_key_value_heads,
@@ -541,19 +543,3 @@ def startup_check(cfg: Config, role: str, device_bytes: int) -> str | None:
     return "; ".join(tight) or None
 
 
-def render_memory(mem: dict[str, Any]) -> list[str]:
-    """The memory section of plan's terminal page."""
-    out = [f"memory per process  (device {fmt_bytes(mem['device_bytes'])} [{mem['device_source']}]; estimates may "
-           f"fill {mem['usable_fraction']:.0%} = {fmt_bytes(mem['usable_bytes'])})"]
-    if mem["single_process"]:
-        out.append("  one process holds both roles: each role's peak sits beside the other's resident part")
-    for role in ("extractor", "trainer"):
-        r = mem[role]
-        verdict = "fits" if r["fits"] else f"DOES NOT FIT: {r['knob']}"
-        phases = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in r["phases"].items())
-        batch = ", ".join(f"{k} {v:,}" for k, v in r["worst_batch"].items())
-        out.append(f"  {role:<10}{fmt_bytes(r['total_bytes']):>12}  {verdict}  (phases: {phases})")
-        out.append(f"  {'':<10}{'':>12}  worst batch: {batch}")
-        out += [f"  {'':<10}{fmt_bytes(v):>12}  {k}" for k, v in r["parts"].items() if v]
-    out += [f"  assumed: {a}" for a in mem["assumptions"]]
-    return out

@@ -10,25 +10,27 @@ The ring buffer is bounded by `store.budget`; everything else a run writes is si
     data         OUTPUT/data/: the data reports, and with data.regenerate the response cache (JSON token ids)
     metrics      OUTPUT/metrics/, ledger/, tensorboard/ and the small files (summary, config, eval, report)
 
-`plan` shows it; `run` refuses at start, in one line, when it exceeds the free space of the filesystems the
-store and the output folder live on (they may differ). Files the run already has there (a resumed run's
-store and checkpoints) count as free: they are reused, not added.
+The drafter's parameters, which checkpoints and the export hold, are `memory.DrafterDims.num_parameters`: the
+one count the memory model uses too. `plan` shows the footprint (observe/plan.py renders it); `run` refuses at
+start (`check_run_disk`), in one line, when it exceeds the free space of the filesystems the store and the output
+folder live on (they may differ). Files the run already has there (a resumed run's store and checkpoints) count
+as free: they are reused, not added.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from dflash_stream.config import Config
 from dflash_stream.errors import DFlashError
-from dflash_stream.observe.units import fmt_bytes
-
-if TYPE_CHECKING:
-    from dflash_stream.target_model.shape import TargetShape
+from dflash_stream.sizing.inputs import plan_mean_tokens, plan_samples
+from dflash_stream.sizing.memory import drafter_dims, target_dims
+from dflash_stream.target_model.shape import MLP_PER_HIDDEN, TargetShape
+from dflash_stream.units import fmt_bytes
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 WEIGHT_BYTES = 4
@@ -54,54 +56,15 @@ def trainer_count(cfg: Config) -> int:
     return cfg.roles.trainers if isinstance(cfg.roles.trainers, int) else 1
 
 
-@dataclass
-class DrafterShape:
-    """What decides the drafter's parameter count; `source` says where the widths came from."""
-
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_attention_heads: int | None
-    num_key_value_heads: int | None
-    head_dim: int | None
-    num_context_layers: int
-    source: str
-
-
-def drafter_shape(cfg: Config, target: TargetShape, num_context_layers: int) -> DrafterShape:
-    """The drafter's widths as `build_spec` derives them: `drafter.*` first, then the target's shape (whose
-    head_dim is the one a drafter copies: MLA's value head, not its RoPE alias), else the conservative
-    assumptions of `drafter_params`."""
-    d = cfg.drafter
-    hidden = target.hidden_size
-    heads = d.num_attention_heads or target.num_attention_heads
-    kv = d.num_key_value_heads or target.num_key_value_heads or heads
-    head_dim = d.head_dim or target.head_dim or (hidden // heads if heads else None)
-    inter = d.intermediate_size or target.intermediate_size
-    if d.intermediate_size:
-        source = "config (drafter.*)"
-    elif target.config is not None:
-        source = "the target's config"
-    elif inter:
-        source = "config (target.intermediate_size)"
-    else:
-        source = "assumed: MLP width 8/3 x hidden (set target.intermediate_size)"
-    return DrafterShape(hidden, inter or (8 * hidden) // 3, d.num_layers, heads, kv, head_dim, num_context_layers,
-                        source)
-
-
-def drafter_params(shape: DrafterShape) -> int:
-    """Trainable parameters of `DFlashDrafter` (fc, hidden_norm, the layers, norm; no embedding or LM head).
-    Without head counts, attention is taken as four hidden x hidden projections: exact for plain multi-head
-    attention with heads x head_dim = hidden, an upper bound with GQA, low when the queries are wider."""
-    d, i = shape.hidden_size, shape.intermediate_size
-    if shape.num_attention_heads and shape.num_key_value_heads and shape.head_dim:
-        q, kv = shape.num_attention_heads * shape.head_dim, shape.num_key_value_heads * shape.head_dim
-        attention = 2 * d * q + 2 * d * kv + 2 * shape.head_dim  # q, o, k, v projections; q/k norms
-    else:
-        attention = 4 * d * d + 2 * 128
-    layer = attention + 3 * d * i + 2 * d  # + gated MLP, two RMSNorms
-    return shape.num_context_layers * d * d + d + shape.num_layers * layer + d
+def drafter_params_source(cfg: Config, target: TargetShape) -> str:
+    """Where the drafter's widths (its MLP's above all) come from, as `plan` labels its parameter count."""
+    if cfg.drafter.intermediate_size:
+        return "config (drafter.*)"
+    if target.config is not None:
+        return "the target's config"
+    if target.intermediate_size:
+        return "config (target.intermediate_size)"
+    return f"assumed: MLP width {MLP_PER_HIDDEN} x hidden (set target.intermediate_size)"
 
 
 def checkpoint_bytes(cfg: Config, params: int, claim_samples: float = 0.0) -> int:
@@ -220,11 +183,34 @@ def refusal(cfg: Config, disk: dict[str, Any]) -> str | None:
     return None
 
 
+def footprint_for(cfg: Config, target: TargetShape, num_capture_layers: int, samples: int | None,
+                  mean_tokens: float | None, tune: dict | None, ratio: float | None = None) -> dict[str, Any]:
+    """The whole disk footprint from the plan's figures; unknown ones are counted here."""
+    if samples is None:
+        samples = plan_samples(cfg, None)[0]
+    if mean_tokens is None:
+        mean_tokens = plan_mean_tokens(cfg, None, tune)[0]
+    params = drafter_dims(cfg, target_dims(target), num_capture_layers).num_parameters
+    from dflash_stream.store import codecs, sizes
+
+    ratio = ratio or codecs.get(cfg.store.codec).design_ratio
+    per_sample = sizes.raw_bytes_per_token(num_capture_layers * target.hidden_size) * mean_tokens
+    tokens = samples * mean_tokens if samples else None
+    steps = cfg.train.total_steps or (math.ceil(tokens * cfg.train.epochs / (
+        cfg.train.batch_tokens * cfg.train.grad_accum * trainer_count(cfg))) if tokens else None)
+    if steps and cfg.train.max_steps:
+        steps = min(steps, cfg.train.max_steps)
+    uses = (math.ceil(per_sample * samples / int(cfg.store.segment_bytes)) * cfg.extraction_passes
+            * cfg.store.reuse if samples else None)
+    parts = run_parts(cfg, params, samples, mean_tokens, steps, uses,
+                      samples_in_budget=min(int(cfg.store.budget) / (per_sample / ratio), samples or math.inf))
+    return {**footprint(cfg, parts), "drafter_params": params,
+            "drafter_params_source": drafter_params_source(cfg, target)}
+
+
 def check_run_disk(cfg: Config, shape: TargetShape, layer_ids: list[int]) -> dict[str, Any]:
     """`run`'s start check: the footprint from the config and the target's shape; DFlashError when it does
     not fit. The data's size comes from `plan`'s counting (local sources; hub sources count 0 here)."""
-    from dflash_stream.observe.plan import footprint_for
-
     disk = footprint_for(cfg, shape, len(layer_ids), samples=None, mean_tokens=None, tune=None)
     message = refusal(cfg, disk)
     if message:

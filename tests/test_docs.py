@@ -1,0 +1,83 @@
+"""The README is the front door and docs/ the manual: the README stays short, every relative link in them resolves
+(the file, and the heading an `#anchor` names), and docs/README.md indexes every page."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+README_MAX_BYTES = 12_000
+
+FENCE = re.compile(r"^(```|~~~).*?^\1", re.S | re.M)
+CODE_SPAN = re.compile(r"(`+)(?:(?!\1).)+?\1", re.S)
+LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
+HEADING = re.compile(r"^#{1,6}\s+(.+?)\s*#*\s*$", re.M)
+
+
+def _prose(text: str) -> str:
+    """The text without fenced code blocks and code spans, where brackets are code, not links."""
+    return CODE_SPAN.sub("", FENCE.sub("", text))
+
+
+def anchors(text: str) -> set[str]:
+    """GitHub's anchors for a page's headings: lower case, punctuation dropped, spaces as hyphens, a repeated
+    heading numbered -1, -2, ..."""
+    seen: dict[str, int] = {}
+    out = set()
+    for title in HEADING.findall(FENCE.sub("", text)):
+        title = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", title)  # a link in a heading counts by its text
+        slug = re.sub(r"[^\w\- ]", "", title.replace("`", "").lower()).replace(" ", "-")
+        n = seen.get(slug, 0)
+        seen[slug] = n + 1
+        out.add(slug if n == 0 else f"{slug}-{n}")
+    return out
+
+
+def broken_links(pages: list[Path]) -> list[str]:
+    """`page: target` for every relative link whose file does not exist or whose #anchor names no heading."""
+    broken = []
+    for page in pages:
+        for target in LINK.findall(_prose(page.read_text())):
+            if re.match(r"[a-z][a-z0-9+.-]*:", target):  # https:, mailto: ...: not ours to check
+                continue
+            path, _, anchor = target.partition("#")
+            file = (page.parent / path).resolve() if path else page
+            if not file.exists():
+                broken.append(f"{page.name}: {target}")
+            elif anchor and (file.suffix != ".md" or anchor not in anchors(file.read_text())):
+                broken.append(f"{page.name}: {target} (no such heading in {file.name})")
+    return broken
+
+
+def doc_pages() -> list[Path]:
+    return [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def test_readme_is_at_most_12000_bytes():
+    size = len((ROOT / "README.md").read_bytes())
+    assert size <= README_MAX_BYTES, f"README.md is {size:,} bytes; move detail into a page of docs/"
+
+
+def test_every_relative_link_resolves():
+    assert broken_links(doc_pages()) == []
+
+
+def test_docs_index_lists_every_page():
+    index = (ROOT / "docs" / "README.md").read_text()
+    linked = {Path(t.partition("#")[0]).name for t in LINK.findall(_prose(index))}
+    pages = {p.name for p in (ROOT / "docs").glob("*.md")} - {"README.md"}
+    assert pages <= linked, f"docs/README.md does not link {sorted(pages - linked)}"
+    assert "docs/README.md" in (ROOT / "README.md").read_text()
+
+
+def test_a_broken_link_or_anchor_is_caught(tmp_path):
+    """The check itself can fail: a missing file, a missing heading, and links in code that are not links."""
+    (tmp_path / "other.md").write_text("# Other page\n\n## The headline job's plan\n\n## Keys (`store` section)\n")
+    page = tmp_path / "page.md"
+    page.write_text(
+        "[ok](other.md) [ok](other.md#the-headline-jobs-plan) [ok](other.md#keys-store-section) [ok](#here)\n"
+        "[gone](missing.md) [bad anchor](other.md#nowhere) [web](https://example.com/x.md)\n"
+        "`[code](not-a-link.md)`\n\n```\n[fenced](not-a-link.md)\n```\n\n## Here\n")
+    found = broken_links([page])
+    assert len(found) == 2 and "missing.md" in found[0] and "other.md#nowhere" in found[1], found
