@@ -17,10 +17,12 @@ $(BIN)/dflash-stream: pyproject.toml
 
 setup: $(BIN)/dflash-stream
 
-# A fresh demo each time (a rerun of the same output folder would resume the finished run instead).
+# A fresh demo each time (a rerun of the same output folder would resume the finished run instead). Its last step
+# puts vLLM's tau beside ours when .venv-vllm exists (`make vllm-env`), and does nothing otherwise.
 demo: setup
 	rm -rf runs/demo
 	$(BIN)/accelerate launch --config_file launch/cpu-2proc.yaml -m dflash_stream run --config configs/demo.yaml
+	$(BIN)/python scripts/demo_engines.py
 
 # The demo with a local server doing the target's work (vLLM's CPU build after `make vllm-env`, else transformers
 # serve): the answers (data.generation.engine openai) and, with vLLM, the hidden states (extract.engine vllm), as a

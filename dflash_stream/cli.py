@@ -48,6 +48,7 @@ BENCHES = {
     "quality": "dflash_stream.bench.quality",
     "checkpoint": "dflash_stream.bench.checkpoint",
     "regenerate": "dflash_stream.bench.regenerate",
+    "eval-engines": "dflash_stream.bench.engines",
 }
 
 

@@ -402,11 +402,27 @@ class RolesConfig(Section):
         return world_size - trainers, trainers
 
 
+EVAL_ENGINES = ("ours", "vllm")
+"""Where `eval` measures τ: our own decoding loop, or also vLLM serving the export (`docs/engines.md`)."""
+
+
 class EvalConfig(Section):
     prompts: str | None = None
     """A jsonl of held-out prompts (chat messages or plain prompts) evaluated at the end of a run."""
     max_new_tokens: int = Field(64, ge=1)
     num_prompts: int | None = Field(None, ge=1)
+    engine: Literal[EVAL_ENGINES] = "ours"
+    """ours: our own decoding loop (transformers); vllm: also the exported drafter served as vLLM's DFlash
+    speculator, its τ beside ours (`docs/engines.md`): a local server from .venv-vllm, or `endpoint`."""
+    endpoint: str | None = None
+    """A vLLM server the user started with the exported drafter as its speculator (base URL such as
+    http://host:8000/v1), idle while the eval runs; it implies engine vllm, and only with it does `run`'s own
+    end-of-run eval ask an engine."""
+
+    @field_validator("endpoint")
+    @classmethod
+    def _endpoint(cls, v: str | None) -> str | None:
+        return None if v is None else endpoint_base_url(v)
 
 
 class MetricsConfig(Section):

@@ -11,11 +11,11 @@ import psutil
 import pytest
 import yaml
 
-from dflash_stream.bench.regenerate import BenchOptions, run_bench, table, vllm_binding
+from dflash_stream.bench.regenerate import BenchOptions, run_bench, table
 from dflash_stream.bench.synthetic import DEMO_DATA
 from dflash_stream.cli import main
 from dflash_stream.config import config_from_dict
-from dflash_stream.regenerate.servers import VLLM_VENV
+from dflash_stream.regenerate.servers import VLLM_VENV, vllm_binding
 
 REPO = Path(__file__).resolve().parents[1]
 ENTRY_KEYS = {"tokens_per_s", "seconds", "responses", "agree_with_hf"}

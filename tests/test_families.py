@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from target_families import FAMILIES, save_target
 from test_pipeline import write_run_config
 
+from dflash_stream.bench.tiny_targets import FAMILIES, save_target
 from dflash_stream.cli import main
 from dflash_stream.config import TargetConfig
 from dflash_stream.drafter.export import load_drafter

@@ -48,7 +48,7 @@ def test_another_target_on_the_same_output_folder_is_asked_anew(demo_tokenizer_d
                                                                 tmp_path, capfd):
     """Case 3: answers cached for one target are not taken for another (nor for another data.max_length): every
     sample is asked for again, and one line says which answers were left and why."""
-    from target_families import save_target
+    from dflash_stream.bench.tiny_targets import save_target
 
     output = tmp_path / "out"
     with json_endpoint("served-model", **answering(tokenizer)) as server:

@@ -222,8 +222,8 @@ def test_hybrid_target_answers_published_rows_then_trains(demo_tokenizer_dir, tm
     VLM wrapper `transformers serve` loads an image processor, which needs torchvision (a real checkpoint's
     servers, vLLM and SGLang, serve the wrapper; the extraction side of it is test_families.py's)."""
     from published_rows import write_rows
-    from target_families import save_target
 
+    from dflash_stream.bench.tiny_targets import save_target
     from dflash_stream.pipeline.audit import audit_run
 
     target = save_target("qwen3_5_text", tmp_path / "target", demo_tokenizer_dir)

@@ -7,8 +7,8 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from target_families import VOCAB, WINDOW, build_config
 
+from dflash_stream.bench.tiny_targets import VOCAB, WINDOW, build_config
 from dflash_stream.config import config_from_dict
 from dflash_stream.drafter import DFlashDrafter, build_spec, export_drafter
 from dflash_stream.drafter import speculative as spec_module
@@ -162,3 +162,29 @@ def test_padded_regeneration_equals_each_prompt_alone(family):
     batched = generate_responses(model, tokenizer, prompts, GenerationConfig(), max_new_tokens=16)
     alone = [generate_responses(model, tokenizer, [p], GenerationConfig(), max_new_tokens=16)[0] for p in prompts]
     assert batched == alone and all(len(r) == 16 for r in batched)
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "gemma3_text"])
+def test_baseline_calls_the_target_as_verification_does(family, monkeypatch):
+    """The speedup's baseline (`verify_block`) decodes the target's greedy tokens through the calls a verification
+    makes: a Gated-DeltaNet layer then never takes its one-token convolution-update path, which a plain decoding
+    loop takes and the verification loop cannot (its layers record their states for rollback)."""
+    from transformers.models.qwen3_5 import modeling_qwen3_5
+
+    updates: list[int] = []
+    original = modeling_qwen3_5.causal_conv1d_update
+
+    def counted(*args, **kwargs):
+        updates.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(modeling_qwen3_5, "causal_conv1d_update", counted)
+    target = make_target(family)
+    ids = prompt(6)
+    plain = greedy_generate(target, ids, 12, set())
+    plain_updates = len(updates)
+    mirrored = greedy_generate(target, ids, 12, set(), verify_block=BLOCK)
+    assert mirrored.tokens == plain.tokens
+    assert len(updates) == plain_updates  # none in the mirrored decode
+    if family == "qwen3_5":
+        assert plain_updates > 0

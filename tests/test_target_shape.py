@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from target_families import build_config
 
+from dflash_stream.bench.tiny_targets import build_config
 from dflash_stream.config import ConfigError, TargetConfig
 from dflash_stream.drafter.head import TargetHead
 from dflash_stream.target_model.shape import model_shape, shape_from_config, target_shape

@@ -35,7 +35,6 @@ import gc
 import json
 import math
 import os
-import re
 import sys
 import time
 from collections.abc import Sequence
@@ -50,11 +49,6 @@ if TYPE_CHECKING:
 
 ENGINES = ("hf", "vllm", "transformers")
 VLLM_ENV_COMMAND = "make vllm-env"
-BATCH_TOKENS = 2048
-"""Tokens one server step may take (prefill chunks and decodes together): vLLM's CPU default for its API server,
-given to both servers so neither schedules bigger steps than the other."""
-KV_BYTES_PER_VALUE = 4
-"""float32 KV cache, as the servers run the target in float32 on CPU like hf does."""
 
 
 @dataclass
@@ -219,70 +213,51 @@ def run_hf(cfg: Config, samples: list[PreparedSample], options: BenchOptions
 # -- the servers ------------------------------------------------------------------------------------------------
 
 
-def vllm_env(bind: str, threads: int) -> tuple[dict[str, str], str]:
-    """(environment, description) of vLLM's CPU thread binding for `--vllm-bind`; `all` = `threads` cores."""
-    if bind == "all":
-        # As many cores compute as hf has threads, and none is kept for the API server and scheduler, which then
-        # share them.
-        cpus = sorted(os.sched_getaffinity(0))[:threads]
-        return ({"VLLM_CPU_OMP_THREADS_BIND": _cpu_list(cpus), "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"},
-                f"VLLM_CPU_OMP_THREADS_BIND={_cpu_list(cpus)}, VLLM_CPU_NUM_OF_RESERVED_CPU=0")
-    return {"VLLM_CPU_OMP_THREADS_BIND": bind}, f"VLLM_CPU_OMP_THREADS_BIND={bind}"
-
-
-def _cpu_list(cpus: list[int]) -> str:
-    return f"{cpus[0]}-{cpus[-1]}" if cpus == list(range(cpus[0], cpus[-1] + 1)) else ",".join(map(str, cpus))
-
-
-def vllm_binding(log_text: str) -> tuple[list[int], list[int]] | None:
-    """(cores its OpenMP threads compute on, cores it keeps for the API server) as vLLM's log reports them."""
-    computes = re.findall(r"core ids=\[([\d, ]*)\]", log_text)
-    kept = re.findall(r"reserved_cpus=\[([\d, ]*)\]", log_text)
-    if not computes:
-        return None
-
-    def ids(text: str) -> list[int]:
-        return [int(x) for x in text.replace(" ", "").split(",") if x]
-
-    return ids(computes[-1]), ids(kept[-1]) if kept else []
-
-
 def run_server(kind: str, cfg: Config, tokenizer, model_dir: Path, samples: list[PreparedSample],
                options: BenchOptions, hf_answers: dict[int, list[int]] | None) -> dict[str, Any]:
     """Start one server, warm it up, time the answers to `samples`, stop it (also on error or interrupt)."""
-    from dflash_stream.regenerate.servers import KV_BLOCK, LocalServer, ServerError, vllm_python
+    from dflash_stream.regenerate.servers import (
+        BATCH_TOKENS,
+        KV_BLOCK,
+        LocalServer,
+        ServerError,
+        kv_cache_gib,
+        vllm_binding,
+        vllm_python,
+        vllm_server,
+        vllm_thread_env,
+    )
     from dflash_stream.target_model.loading import resolve_dtype
 
     dtype = str(resolve_dtype(cfg.target, _cpu())).removeprefix("torch.")
     longest = max(s.num_tokens for s in samples) + options.max_new_tokens
-    env: dict[str, str] = {}
     extra: dict[str, Any] = {}
-    python = None
+    log_path = options.workdir / "logs" / f"{kind}.log"
     if kind == "vllm":
         python = options.vllm_python or vllm_python()
         if not python.exists():
             say(f"vllm: skipped, {python} not found")
             return {"skipped": f"no vLLM environment ({python} not found)", "command": VLLM_ENV_COMMAND}
-        env, extra["bind"] = vllm_env(options.vllm_bind, options.threads)
+        _, extra["bind"] = vllm_thread_env(options.vllm_bind, options.threads)
         # Room for every prompt at once, so the server is measured at the concurrency it is asked for.
-        server_kv = {"kv_cache_gib": _kv_cache_gib(cfg, len(samples) * longest)}
-        args = ("--dtype", dtype, "--max-model-len", str(longest), "--max-num-batched-tokens", str(BATCH_TOKENS))
+        server = vllm_server(model_dir, log_path, dtype=dtype, max_model_len=longest, threads=options.threads,
+                             bind=options.vllm_bind, kv_cache_gib=kv_cache_gib(cfg.target, len(samples) * longest),
+                             python=python)
     else:
-        env = {"OMP_NUM_THREADS": str(options.threads)}
         extra["threads"] = options.threads
         # On CPU, continuous batching sizes its KV cache at 60 % of the machine's RAM unless told otherwise: a
         # cache for every prompt at once is enough, and leaves room for the rest of the machine. A batch holds
         # as many tokens as vLLM's CPU server takes per step (its default for the API server).
-        server_kv = {"kv_tokens": len(samples) * (math.ceil(longest / KV_BLOCK) + 1) * KV_BLOCK}
-        args = ("--dtype", dtype, "--cb-max-batch-tokens", str(BATCH_TOKENS))
-    log_path = options.workdir / "logs" / f"{kind}.log"
+        server = LocalServer(kind, model_dir, log_path, extra_args=("--dtype", dtype, "--cb-max-batch-tokens",
+                                                                    str(BATCH_TOKENS)),
+                             kv_tokens=len(samples) * (math.ceil(longest / KV_BLOCK) + 1) * KV_BLOCK,
+                             env={"OMP_NUM_THREADS": str(options.threads)})
     log_path.unlink(missing_ok=True)  # the log read back below is this run's
-    server = LocalServer(kind, model_dir, log_path, python=python, extra_args=args, **server_kv)
     with server:
         say(f"{kind}: starting its server on {model_dir} (log {log_path})")
         started = time.perf_counter()
         try:
-            server.start(env)
+            server.start()
             server.wait_ready(options.startup_timeout_s)
         except ServerError as err:
             say(f"{kind}: {err}")
@@ -343,16 +318,6 @@ def _cpu():
     import torch
 
     return torch.device("cpu")
-
-
-def _kv_cache_gib(cfg: Config, tokens: int) -> int:
-    """Whole GiB (what VLLM_CPU_KVCACHE_SPACE takes) of float32 keys and values for `tokens` tokens."""
-    from dflash_stream.target_model.location import load_target_config
-
-    config = load_target_config(cfg.target)
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * KV_BYTES_PER_VALUE
-    return max(1, math.ceil(tokens * per_token / 2**30))
 
 
 def _client(cfg: Config, tokenizer, url: str, concurrency: int, as_configured: bool = False):

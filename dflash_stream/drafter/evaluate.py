@@ -1,4 +1,5 @@
-"""`evaluate`: acceptance length, acceptance histogram and speedup of an exported drafter on held-out prompts."""
+"""`evaluate`: acceptance length, acceptance histogram and speedup of an exported drafter on held-out prompts, in our
+own decoding loop and, with engine vllm, in vLLM serving it as its DFlash speculator (`served.py`)."""
 
 from __future__ import annotations
 
@@ -8,11 +9,17 @@ from typing import Any
 
 import torch
 
-from dflash_stream.config import Config, ConfigError
+from dflash_stream.config import EVAL_ENGINES, Config, ConfigError
 from dflash_stream.data.formats import RowError, split_for_regeneration, to_messages
 from dflash_stream.data.template import ChatEncoder
 from dflash_stream.drafter.export import load_drafter
 from dflash_stream.drafter.head import TargetHead
+from dflash_stream.drafter.served import (
+    ServedEval,
+    acceptance_figures,
+    per_position_from_histogram,
+    vllm_eval,
+)
 from dflash_stream.drafter.speculative import Generation, greedy_generate, speculative_generate
 from dflash_stream.log import get_logger, progress
 from dflash_stream.target_model.loading import load_target, resolve_device, stop_token_ids
@@ -20,6 +27,11 @@ from dflash_stream.target_model.loading import load_target, resolve_device, stop
 log = get_logger(__name__)
 
 Row = dict[str, Any]
+AGREEMENT = 0.02
+"""Relative τ difference within which an engine agrees with ours (greedy on both sides, the same prompts)."""
+SPEEDUP_SLACK = 1.1
+"""A speedup above τ by more than this factor (timing noise) cannot come from drafting: flagged as not
+meaningful."""
 
 
 def read_prompts(path: str | Path) -> list[Row]:
@@ -65,27 +77,37 @@ class Evaluator:
         if not rows:
             raise ConfigError("eval: no prompts to evaluate")
         self.device = resolve_device(cfg.target)
+        self.cfg = cfg
         self.target, tokenizer = load_target(cfg.target, self.device)
+        self.tokenizer = tokenizer
         self.head = TargetHead.from_model(self.target)
         self.stops = stop_token_ids(self.target, tokenizer)
         self.encoded = [torch.tensor([render_prompt(tokenizer, row, cfg.data)], device=self.device) for row in rows]
-        self._baseline: dict[tuple[int, int], Generation] = {}
+        self._baseline: dict[tuple[int, int, int], Generation] = {}
         self._warm = False
 
-    def _reference(self, index: int, max_new_tokens: int) -> Generation:
-        key = (index, max_new_tokens)
+    def _reference(self, index: int, max_new_tokens: int, block_size: int) -> Generation:
+        key = (index, max_new_tokens, block_size)
         if key not in self._baseline:
-            self._baseline[key] = greedy_generate(self.target, self.encoded[index], max_new_tokens, self.stops)
+            self._baseline[key] = greedy_generate(self.target, self.encoded[index], max_new_tokens, self.stops,
+                                                  verify_block=block_size)
         return self._baseline[key]
 
-    def evaluate(self, drafter_dir: str | Path, max_new_tokens: int) -> dict[str, Any]:
+    def evaluate(self, drafter_dir: str | Path, max_new_tokens: int, engine: str = "ours",
+                 endpoint: str | None = None, workdir: str | Path | None = None) -> dict[str, Any]:
         """Greedy speculative decoding vs the target alone on each prompt; figures as a JSON-ready dict.
 
         `acceptance_length` (tau) = tokens emitted per target verification step over all prompts, and
         `acceptance_stderr` its standard error over the prompts;
         `acceptance_histogram[n]` = verification steps that accepted n drafted tokens (n = 0 .. B-1);
-        `speedup` = wall-clock of target-only greedy decoding / speculative decoding, both with a KV cache.
+        `speedup` = wall-clock of target-only greedy decoding / speculative decoding, both with a KV cache and the
+        target called the same way (`greedy_generate`'s verify_block), `speedup_note` why it is not meaningful
+        when it is not; `engines`: each engine's τ counted as vLLM counts it (`served.acceptance_figures`), ours
+        always, vLLM's with engine vllm (a local server from .venv-vllm, or `endpoint`, a server the user started
+        with this drafter; local files under `workdir`).
         """
+        if engine not in EVAL_ENGINES:
+            raise ConfigError(f"eval.engine: '{engine}'; allowed: {', '.join(EVAL_ENGINES)}")
         drafter, spec = load_drafter(drafter_dir, self.device)
         drafter.eval()
         if spec.vocab_size != self.head.embed_weight.shape[0]:
@@ -102,8 +124,10 @@ class Evaluator:
         base_s = spec_s = 0.0
         emitted: list[int] = []
         steps: list[int] = []
+        base_steps = 0
         for index, ids in enumerate(progress(iterable=self.encoded, desc="eval", unit="prompt")):
-            base = self._reference(index, max_new_tokens)
+            base = self._reference(index, max_new_tokens, spec.block_size)
+            base_steps += len(base.tokens)
             fast = speculative_generate(self.target, drafter, self.head, ids, max_new_tokens, self.stops)
             base_s, spec_s = base_s + base.seconds, spec_s + fast.seconds
             for n in fast.accepted:
@@ -120,25 +144,73 @@ class Evaluator:
                 "target_s": round(base.seconds, 4),
                 "speculative_s": round(fast.seconds, 4),
             })
+        tau = sum(emitted) / sum(steps) if sum(steps) else None
+        speedup = base_s / spec_s if spec_s else None
+        new_tokens = sum(p["new_tokens"] for p in per_prompt)
+        ours = {**acceptance_figures(sum(steps), sum(n * c for n, c in enumerate(histogram)),
+                                     per_position_from_histogram(histogram)),
+                "new_tokens": new_tokens, "matches_target": all(p["matches_target"] for p in per_prompt),
+                "seconds": round(spec_s, 4), "tokens_per_s": round(new_tokens / spec_s, 2) if spec_s else None,
+                "target_tokens_per_s": round(new_tokens / base_s, 2) if base_s else None}
         result = {
-            "acceptance_length": sum(emitted) / sum(steps) if sum(steps) else None,
+            "acceptance_length": tau,
             "acceptance_stderr": _stderr(emitted, steps),
             "acceptance_histogram": histogram,
-            "matches_target": all(p["matches_target"] for p in per_prompt),
-            "speedup": base_s / spec_s if spec_s else None,
+            "matches_target": ours["matches_target"],
+            "speedup": speedup,
+            "speedup_note": speedup_note(speedup, ours["acceptance_length"], spec.block_size),
             "target_s": round(base_s, 4),
             "speculative_s": round(spec_s, 4),
+            "target_step_ms": round(1e3 * base_s / base_steps, 3) if base_steps else None,
+            "verify_step_ms": round(1e3 * spec_s / (sum(steps) + len(per_prompt)), 3) if per_prompt else None,
             "block_size": spec.block_size,
             "max_new_tokens": max_new_tokens,
             "device": str(self.device),
             "prompts": per_prompt,
+            "engines": {"ours": ours},
         }
         log.info(
-            "eval: tau %.2f, speedup %.2fx, output %s the target's on %d prompts",
-            result["acceptance_length"] or 0.0, result["speedup"] or 0.0,
+            "eval: tau %.2f, speedup %.2fx%s, output %s the target's on %d prompts",
+            tau or 0.0, speedup or 0.0, " (not meaningful)" if result["speedup_note"] else "",
             "matches" if result["matches_target"] else "DIFFERS from", len(per_prompt),
         )
+        if engine == "vllm":
+            served = self.served(drafter_dir, spec.block_size, max_new_tokens, endpoint, workdir)
+            difference = relative_difference(served.get("acceptance_length"), ours["acceptance_length"])
+            if difference is not None:
+                served["relative_difference"] = difference
+            result["engines"]["vllm"] = served
+            result["engines_agree"] = None if difference is None else abs(difference) <= AGREEMENT
         return result
+
+    def served(self, drafter_dir: str | Path, block_size: int, max_new_tokens: int, endpoint: str | None,
+               workdir: str | Path | None) -> dict[str, Any]:
+        """The same prompts, budget and greedy decoding in vLLM serving the drafter (`served.vllm_eval`)."""
+        job = ServedEval(self.cfg.target, self.tokenizer, [ids[0].tolist() for ids in self.encoded],
+                         [self._reference(i, max_new_tokens, block_size).tokens for i in range(len(self.encoded))],
+                         self.stops, self.target)
+        entry = vllm_eval(job, drafter_dir, block_size, max_new_tokens, endpoint,
+                          workdir or Path(self.cfg.output_dir) / "engines")
+        if "acceptance_length" in entry:
+            log.info("eval: vLLM tau %.3f (%d drafts, %d accepted), %d of %d answers as the target's",
+                     entry["acceptance_length"] or 0.0, entry["drafts"], entry["accepted_tokens"],
+                     entry["answers_as_target"], len(job.prompts))
+        return entry
+
+
+def speedup_note(speedup: float | None, tau: float | None, block_size: int) -> str | None:
+    """Why a measured speedup says nothing about the drafter, or None. Verifying a block costs at least a one-token
+    step, so drafting gives at most τ; more means a one-token call costs more than a block's on this device and
+    build (per-call overhead: docs/engines.md)."""
+    if speedup is None or tau is None or speedup <= tau * SPEEDUP_SLACK:
+        return None
+    return (f"not meaningful: {speedup:.2f}x exceeds tau {tau:.2f}, the most drafting can give; a one-token forward "
+            f"of this target costs more than a {block_size}-token one here (per-call overhead)")
+
+
+def relative_difference(tau: float | None, ours: float | None) -> float | None:
+    """An engine's τ relative to ours (0.01 = 1 % higher); None when either has none."""
+    return None if tau is None or not ours else round(tau / ours - 1, 5)
 
 
 def _stderr(emitted: list[int], steps: list[int]) -> float | None:
@@ -153,7 +225,8 @@ def _stderr(emitted: list[int], steps: list[int]) -> float | None:
 
 
 def evaluate(
-    cfg: Config, drafter_dir: str | Path, prompts: str | Path | list[Row], max_new_tokens: int
+    cfg: Config, drafter_dir: str | Path, prompts: str | Path | list[Row], max_new_tokens: int,
+    engine: str = "ours", endpoint: str | None = None, workdir: str | Path | None = None,
 ) -> dict[str, Any]:
     """One drafter on `prompts` (see `Evaluator.evaluate`)."""
-    return Evaluator(cfg, prompts).evaluate(drafter_dir, max_new_tokens)
+    return Evaluator(cfg, prompts).evaluate(drafter_dir, max_new_tokens, engine, endpoint, workdir)

@@ -15,11 +15,18 @@ from torch import Tensor
 from dflash_stream.config import ConfigError
 from dflash_stream.drafter.model import DFlashDrafter
 from dflash_stream.drafter.spec import CONFIG, WEIGHTS, DrafterSpec, spec_from_zlab_config
+from dflash_stream.log import get_logger
+
+log = get_logger(__name__)
 
 SPEC = "drafter_spec.json"
 MODELING = "dflash.py"
 """The self-contained modeling file `auto_map` points at (a copy of drafter/hf_modeling.py)."""
 AUTO_MAP = {"AutoModel": "dflash.DFlashDraftModel"}
+OWN_EMBEDDING = "embed_tokens.weight"
+"""The drafter's own copy of the target's embedding table, scaled as the target scales it (`export --embedding
+own`): vLLM then embeds the drafter's inputs with it instead of the target's unscaled table; SGLang and z-lab's code
+ignore it."""
 
 
 def drafter_state(drafter: DFlashDrafter) -> dict[str, Tensor]:
@@ -57,9 +64,16 @@ def zlab_config(spec: DrafterSpec, dtype: torch.dtype = torch.bfloat16) -> dict[
         "dtype": _str_dtype(dtype),
         "block_size": spec.block_size,
         "num_target_layers": spec.num_target_layers,
-        "dflash_config": {"mask_token_id": spec.mask_token_id, "target_layer_ids": list(spec.target_layer_ids)},
+        "dflash_config": {"mask_token_id": spec.mask_token_id, "target_layer_ids": list(spec.target_layer_ids),
+                          **_embedding_scale(spec)},
         "auto_map": AUTO_MAP,
     }
+
+
+def _embedding_scale(spec: DrafterSpec) -> dict[str, float]:
+    """The target's embedding scale under the name vLLM's DFlash2 reads (its DFlash model, SGLang and z-lab's code
+    ignore it: they get the scale from the target's embedding module, or not at all; `docs/engines.md`)."""
+    return {} if spec.embed_scale == 1.0 else {"input_embedding_scale": spec.embed_scale}
 
 
 def _layout_fields(spec: DrafterSpec) -> dict[str, Any]:
@@ -73,14 +87,32 @@ def _layout_fields(spec: DrafterSpec) -> dict[str, Any]:
             "layer_types": list(spec.layer_types)}
 
 
-def export_drafter(drafter: DFlashDrafter, spec: DrafterSpec, out_dir: str | Path) -> Path:
-    """Write `config.json` + `model.safetensors` (no embedding, no LM head) in the drafter's own dtype, and
-    the modeling file `dflash.py` that `auto_map` names, so that transformers' `AutoModel` loads the folder."""
+def vllm_embedding_note(embed_scale: float, own_embedding: bool) -> str | None:
+    """One line when vLLM would feed a drafter other embeddings than it was trained with, else None: vLLM's DFlash
+    model embeds through the target's table without the scale some families apply inside their embedding module
+    (Gemma: √hidden), unless the export carries its own scaled table."""
+    if embed_scale == 1.0 or own_embedding:
+        return None
+    return (f"vLLM's DFlash model feeds this drafter the target's embedding rows unscaled, {embed_scale:.4g}x smaller "
+            "than in training (the target scales them inside its embedding module): its tau there drops; SGLang and "
+            "transformers feed them scaled; `dflash-stream export --embedding own` serves it right in vLLM "
+            "(docs/engines.md)")
+
+
+def export_drafter(drafter: DFlashDrafter, spec: DrafterSpec, out_dir: str | Path,
+                   embedding: Tensor | None = None) -> Path:
+    """Write `config.json` + `model.safetensors` (no LM head; no embedding unless `embedding`, the target's table
+    as the target scales it, is given) in the drafter's own dtype, and the modeling file `dflash.py` that
+    `auto_map` names, so that transformers' `AutoModel` loads the folder."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     state = drafter_state(drafter)
-    save_file(state, out / WEIGHTS, metadata={"format": "pt"})
     dtype = next(iter(state.values())).dtype
+    if embedding is not None:
+        state[OWN_EMBEDDING] = embedding.detach().to(dtype).contiguous()
+    elif note := vllm_embedding_note(spec.embed_scale, False):
+        log.warning("export %s: %s", out, note)
+    save_file(state, out / WEIGHTS, metadata={"format": "pt"})
     (out / CONFIG).write_text(json.dumps(zlab_config(spec, dtype), indent=2) + "\n")
     shutil.copyfile(Path(__file__).with_name("hf_modeling.py"), out / MODELING)
     return out
@@ -88,6 +120,7 @@ def export_drafter(drafter: DFlashDrafter, spec: DrafterSpec, out_dir: str | Pat
 
 def _build(spec: DrafterSpec, weights: Path, device: torch.device | str | None) -> DFlashDrafter:
     state = load_file(weights, device=str(device or "cpu"))
+    state.pop(OWN_EMBEDDING, None)  # for vLLM; the drafter embeds through the target's head
     drafter = DFlashDrafter(spec).to(device=device, dtype=next(iter(state.values())).dtype)
     drafter.load_state_dict(state, strict=True)
     return drafter
@@ -98,6 +131,7 @@ def load_init_weights(drafter: DFlashDrafter, folder: str | Path) -> None:
     the same names and shapes or a ConfigError naming the first difference."""
     path = Path(folder).expanduser() / WEIGHTS
     state = load_file(path, device=str(drafter.fc.weight.device))
+    state.pop(OWN_EMBEDDING, None)
     ours = drafter.state_dict()
     missing, extra = sorted(set(ours) - set(state)), sorted(set(state) - set(ours))
     if missing or extra:

@@ -53,6 +53,9 @@ class DrafterSpec:
     """One of LAYER_TYPES per drafter layer; None (spec files written before layer types) means all full."""
     sliding_window: int | None = None
     """Keys a sliding layer's query sees, itself included; None without sliding layers."""
+    embed_scale: float = 1.0
+    """The scale the target applies inside its embedding module (Gemma: √hidden), which the drafter's inputs were
+    trained with: an engine that embeds without it serves the drafter wrongly (`docs/engines.md`)."""
 
     def __post_init__(self) -> None:
         if self.layer_types is None:
@@ -174,6 +177,7 @@ def spec_from_zlab_config(config: dict[str, Any]) -> DrafterSpec:
         rope_scaling=_rope_scaling(config),
         layer_types=layer_types,
         sliding_window=window,
+        embed_scale=float(dflash.get("input_embedding_scale", 1.0)),
     )
 
 
@@ -268,4 +272,5 @@ def build_spec(cfg: Config, tc: TargetShape, layer_ids: list[int], tokenizer: An
         rope_scaling=scaling,
         layer_types=layer_types,
         sliding_window=window,
+        embed_scale=tc.embed_scale,
     )

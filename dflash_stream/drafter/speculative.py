@@ -50,15 +50,27 @@ def _finish(tokens: list[int], max_new_tokens: int, stop_ids: Collection[int]) -
 
 
 @torch.inference_mode()
-def greedy_generate(target: nn.Module, input_ids: Tensor, max_new_tokens: int, stop_ids: Collection[int]) -> Generation:
-    """The target's own greedy output, one cached forward per token."""
+def greedy_generate(target: nn.Module, input_ids: Tensor, max_new_tokens: int, stop_ids: Collection[int],
+                    verify_block: int | None = None) -> Generation:
+    """The target's own greedy output, one cached forward per token.
+
+    `verify_block`: call the target as `speculative_generate`'s verification forward does for blocks of that size
+    (hidden states out, rollback recording on, a crop after every forward), one token per call: the baseline a
+    speedup is measured against. A plain decoding loop can take other kernels than the verification loop (a
+    Gated-DeltaNet layer decodes one token through its convolution-update path unless it records its states),
+    and its timing would then credit the drafter with the difference."""
     start = time.perf_counter()
     cache = DynamicCache(config=target.config)
-    out = target(input_ids, cache=cache, use_cache=True, logits_to_keep=1)
+    hidden = verify_block is not None
+    out = target(input_ids, cache=cache, use_cache=True, output_hidden_states=hidden, logits_to_keep=1)
+    if verify_block is not None:
+        enable_rollback(cache, verify_block)
     tok = int(out.logits[0, -1].argmax())
     tokens = [tok]
     while len(tokens) < max_new_tokens and tok not in stop_ids:
-        out = target(input_ids.new_tensor([[tok]]), cache=cache, use_cache=True)
+        out = target(input_ids.new_tensor([[tok]]), cache=cache, use_cache=True, output_hidden_states=hidden)
+        if verify_block is not None:
+            cache.crop(0)  # as after a verification that accepted every draft: ends this step's recording
         tok = int(out.logits[0, -1].argmax())
         tokens.append(tok)
     return Generation(_finish(tokens, max_new_tokens, stop_ids), time.perf_counter() - start)

@@ -188,7 +188,12 @@ def _finish_training(cfg: Config, role: RoleInfo, trainer) -> dict[str, Any]:
     if cfg.eval.prompts:
         from dflash_stream.drafter import evaluate
 
-        result = evaluate(cfg, export, cfg.eval.prompts, cfg.eval.max_new_tokens)
+        if cfg.eval.engine == "vllm" and not cfg.eval.endpoint:
+            log.info("eval.engine vllm without eval.endpoint: the end-of-run eval stays ours (a local vLLM server "
+                     "would compete with this run's processes); `dflash-stream eval --engine vllm --drafter %s` "
+                     "measures vLLM's tau after the run", export)
+        result = evaluate(cfg, export, cfg.eval.prompts, cfg.eval.max_new_tokens,
+                          engine="vllm" if cfg.eval.endpoint else "ours", endpoint=cfg.eval.endpoint)
         run.eval.write_text(json.dumps(result, indent=2))
         fields["eval"] = {k: result[k] for k in ("acceptance_length", "matches_target", "speedup") if k in result}
         log.info(

@@ -1,11 +1,14 @@
-"""Serving engines started here as child processes, on a free local port: for `bench regenerate`, the tests, and
-trying `engine: openai` on one machine. A real job points data.generation.endpoints at servers started by the
-user (`docs/regenerate.md`)."""
+"""Serving engines started here as child processes, on a free local port: for `bench regenerate`, `eval --engine
+vllm` (the drafter served as vLLM's DFlash speculator), the tests, and trying `engine: openai` on one machine. A
+real job points data.generation.endpoints (and eval.endpoint) at servers started by the user (`docs/regenerate.md`,
+`docs/engines.md`). Every vLLM server of the project starts through `vllm_server`."""
 
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
 import shutil
 import signal
 import socket
@@ -28,6 +31,11 @@ CONVERTED_STAMP = "converted-from.json"
 """Beside a converted GGUF target: which file it came from, so a changed file is converted again."""
 VLLM_VENV = ".venv-vllm"
 """Where `make vllm-env` puts vLLM's CPU build: its own environment, as it pins an older transformers."""
+BATCH_TOKENS = 2048
+"""Tokens one server step may take (prefill chunks and decodes together): vLLM's CPU default for its API server,
+given to every server the project starts so that none schedules bigger steps than another."""
+KV_BYTES_PER_VALUE = 4
+"""float32 KV cache, as the servers run the target in float32 on CPU like hf does."""
 
 
 class ServerError(DFlashError):
@@ -99,7 +107,8 @@ class LocalServer:
 
     def __init__(self, kind: str, model: str | Path, log_path: str | Path, port: int | None = None,
                  python: str | Path | None = None, extra_args: tuple[str, ...] = (), kv_cache_gib: float = 2.0,
-                 kv_tokens: int = 32768, continuous_batching: bool = True) -> None:
+                 kv_tokens: int = 32768, continuous_batching: bool = True, env: dict[str, str] | None = None
+                 ) -> None:
         if kind not in ("transformers", "vllm"):
             raise ValueError(f"server kind {kind!r}; allowed: transformers, vllm")
         self.kind, self.model, self.log_path = kind, str(model), Path(log_path)
@@ -111,6 +120,8 @@ class LocalServer:
         self.kv_cache_gib, self.kv_tokens = kv_cache_gib, kv_tokens
         # transformers serve's continuous batching has no linear-attention (Gated-DeltaNet) layers yet.
         self.continuous_batching = continuous_batching
+        self.env = dict(env or {})
+        """Environment variables the server starts with (besides this process's), e.g. its thread binding."""
         self.process: subprocess.Popen | None = None
 
     @property
@@ -133,7 +144,7 @@ class LocalServer:
             raise ServerError(f"{self.python} not found: make the vLLM environment first (`make vllm-env`)")
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("ab") as log:
-            env = {**os.environ, **(env or {})}
+            env = {**os.environ, **self.env, **(env or {})}
             if self.kind == "vllm":
                 env.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{self.kv_cache_gib:g}")
             self.process = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=env,
@@ -182,3 +193,66 @@ class LocalServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+# -- vLLM ---------------------------------------------------------------------------------------------------------
+
+
+def vllm_server(model: str | Path, log_path: str | Path, *, dtype: str, max_model_len: int,
+                speculative: dict | None = None, threads: int | None = None, bind: str = "all",
+                kv_cache_gib: float = 1.0, python: str | Path | None = None, extra_args: tuple[str, ...] = ()
+                ) -> LocalServer:
+    """vLLM's OpenAI server on `model` (a folder of safetensors), not started yet: float32 or bfloat16 `dtype`,
+    sequences up to `max_model_len` tokens, steps of at most BATCH_TOKENS, a KV cache of `kv_cache_gib`, its OpenMP
+    threads bound as `bind` says (`vllm_thread_env`), and `speculative` (a --speculative-config, such as
+    `dflash_speculator` gives) when drafting."""
+    args = ["--dtype", dtype, "--max-model-len", str(max_model_len), "--max-num-batched-tokens", str(BATCH_TOKENS)]
+    if speculative is not None:
+        args += ["--speculative-config", json.dumps(speculative)]
+    env, _ = vllm_thread_env(bind, threads or len(os.sched_getaffinity(0)))
+    return LocalServer("vllm", model, log_path, python=python, extra_args=(*args, *extra_args),
+                       kv_cache_gib=kv_cache_gib, env=env)
+
+
+def dflash_speculator(drafter_dir: str | Path, block_size: int) -> dict:
+    """vLLM's --speculative-config serving a z-lab DFlash drafter folder: B-1 drafted tokens per target step."""
+    return {"method": "dflash", "model": str(Path(drafter_dir).resolve()), "num_speculative_tokens": block_size - 1}
+
+
+def vllm_thread_env(bind: str, threads: int) -> tuple[dict[str, str], str]:
+    """(environment, description) of vLLM's CPU thread binding: `all` = `threads` cores compute and none is kept
+    for the API server and scheduler, which then share them (what an in-process decoder gets); else a
+    VLLM_CPU_OMP_THREADS_BIND value: auto (vLLM's default: one core kept for its API server), nobind, or a CPU list
+    such as 0-1."""
+    if bind == "all":
+        cpus = sorted(os.sched_getaffinity(0))[:threads]
+        return ({"VLLM_CPU_OMP_THREADS_BIND": _cpu_list(cpus), "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"},
+                f"VLLM_CPU_OMP_THREADS_BIND={_cpu_list(cpus)}, VLLM_CPU_NUM_OF_RESERVED_CPU=0")
+    return {"VLLM_CPU_OMP_THREADS_BIND": bind}, f"VLLM_CPU_OMP_THREADS_BIND={bind}"
+
+
+def _cpu_list(cpus: list[int]) -> str:
+    return f"{cpus[0]}-{cpus[-1]}" if cpus == list(range(cpus[0], cpus[-1] + 1)) else ",".join(map(str, cpus))
+
+
+def vllm_binding(log_text: str) -> tuple[list[int], list[int]] | None:
+    """(cores its OpenMP threads compute on, cores it keeps for the API server) as vLLM's log reports them."""
+    computes = re.findall(r"core ids=\[([\d, ]*)\]", log_text)
+    kept = re.findall(r"reserved_cpus=\[([\d, ]*)\]", log_text)
+    if not computes:
+        return None
+
+    def ids(text: str) -> list[int]:
+        return [int(x) for x in text.replace(" ", "").split(",") if x]
+
+    return ids(computes[-1]), ids(kept[-1]) if kept else []
+
+
+def kv_cache_gib(target: TargetConfig, tokens: int) -> int:
+    """Whole GiB (what VLLM_CPU_KVCACHE_SPACE takes) of float32 keys and values for `tokens` tokens."""
+    from dflash_stream.target_model.location import load_target_config
+
+    config = load_target_config(target).get_text_config()
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * KV_BYTES_PER_VALUE
+    return max(1, math.ceil(tokens * per_token / 2**30))

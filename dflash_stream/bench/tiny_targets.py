@@ -1,6 +1,7 @@
 """Tiny random-weight targets of every family DFlash drafters are published for, built from transformers' own
 config classes (no download) and saved like hub checkpoints: the class a hub checkpoint of that family is
-saved as (VLM wrappers included), safetensors, and the demo tokenizer beside it."""
+saved as (VLM wrappers included), safetensors, and the demo tokenizer beside it. The tests and `bench
+eval-engines` build them."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ GDN = {"linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_
        "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4, "full_attention_interval": 3}
 WINDOW = 16  # sliding windows far shorter than the prompts, so that eval must roll windowed caches back
 SERVED = {"hidden_size": 128, "head_dim": 32, "linear_key_head_dim": 32, "linear_value_head_dim": 32}
-"""Wider heads for the targets tests serve with vLLM: its CPU attention takes head sizes 32 to 512 only."""
+"""Wider heads for the targets served with vLLM: its CPU attention takes head sizes 32 to 512 only."""
 
 
 def _drop(d: dict[str, Any], *keys: str) -> dict[str, Any]:
@@ -57,31 +58,42 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
-def build_config(family: str, served: bool = False) -> Any:
-    """The family's tiny config; `served`: with SERVED's widths (a text config's own keys only)."""
+def build_config(family: str, served: bool = False, vocab_size: int = VOCAB) -> Any:
+    """The family's tiny config; `served`: with SERVED's widths (a text config's own keys only); `vocab_size`:
+    another tokenizer's (the ids 1 and 2 of bos and eos stay)."""
     from transformers import AutoConfig
 
     model_type, kwargs = FAMILIES[family]
+    text = {**kwargs.get("text_config", kwargs), "vocab_size": vocab_size}
     if served:
-        text = kwargs.get("text_config", kwargs)
-        wide = {k: v for k, v in SERVED.items() if k in text or k in ("hidden_size", "head_dim")}
-        if "text_config" in kwargs:
-            vision = {**kwargs["vision_config"], "out_hidden_size": SERVED["hidden_size"]}
-            kwargs = {**kwargs, "text_config": {**text, **wide}, "vision_config": vision}
-        else:
-            kwargs = {**kwargs, **wide}
+        text.update({k: v for k, v in SERVED.items() if k in text or k in ("hidden_size", "head_dim")})
+    if "text_config" in kwargs:
+        vision = kwargs["vision_config"]
+        if served:
+            vision = {**vision, "out_hidden_size": SERVED["hidden_size"]}
+        kwargs = {**kwargs, "text_config": text, "vision_config": vision}
+    else:
+        kwargs = text
     return AutoConfig.for_model(model_type, **kwargs)
 
 
-def save_target(family: str, out: Path, tokenizer_dir: Path, seed: int = 0, served: bool = False) -> Path:
-    """The family's tiny model saved as its hub checkpoints are: a wrapper class where the hub has one."""
+def save_target(family: str, out: Path, tokenizer_dir: Path, seed: int = 0, served: bool = False,
+                vocab_size: int = VOCAB, weight_scale: float = 1.0) -> Path:
+    """The family's tiny model saved as its hub checkpoints are: a wrapper class where the hub has one.
+    `weight_scale`: every matrix multiplied by it (at the default init a tiny random model greedily repeats a few
+    tokens with nearly flat next-token distributions; scaled, its answers vary and its distributions are peaked)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-    config = build_config(family, served)
+    config = build_config(family, served, vocab_size)
     torch.manual_seed(seed)
     wrapped = config.get_text_config() is not config
     model = (AutoModelForImageTextToText if wrapped else AutoModelForCausalLM).from_config(config)
+    if weight_scale != 1.0:
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.ndim == 2:
+                    p.mul_(weight_scale)
     model.save_pretrained(out, safe_serialization=True)
     for item in tokenizer_dir.iterdir():
         shutil.copy(item, out / item.name)

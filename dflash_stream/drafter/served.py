@@ -1,0 +1,259 @@
+"""τ as the user's engine measures it: the exported drafter served as vLLM's DFlash speculator.
+
+The same prompts as our own eval (token ids rendered by our encoder, sent through the completions API, so the chat
+template is ours), the same token budget, greedy, one request at a time; vLLM's spec-decode counters are read from
+`/metrics` before and after. vLLM counts verification steps ("drafts", `vllm:spec_decode_num_drafts_total`), drafted
+tokens the target accepted (`..._num_accepted_tokens_total`) and, per draft position k, the drafts whose position
+k was accepted (`..._num_accepted_tokens_per_pos_total`). τ = 1 + accepted / drafts: tokens per target step, the
+first token of an answer coming from the prefill on both sides, as in our loop (`acceptance_figures`).
+
+The counters are the server's, over every request it serves: a server of the user's (`eval.endpoint`) must be idle
+while the eval runs, and must serve this very drafter (vLLM does not say which speculator it loaded; the number of
+positions it counts must at least be the drafter's B-1).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import httpx
+from safetensors import safe_open
+
+from dflash_stream.config import ConfigError, GenerationConfig, TargetConfig
+from dflash_stream.drafter.export import CONFIG, OWN_EMBEDDING, WEIGHTS, vllm_embedding_note
+from dflash_stream.errors import DFlashError
+from dflash_stream.log import get_logger
+
+log = get_logger(__name__)
+
+DRAFTS = "vllm:spec_decode_num_drafts"
+ACCEPTED = "vllm:spec_decode_num_accepted_tokens"
+PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos"
+SETTLE_S = 5.0
+"""How long the counters may take to count the last answer's steps (the API server records them as the engine's
+outputs arrive)."""
+
+
+class EngineError(DFlashError):
+    """The engine could not be asked: no speculator, another block size, no counters."""
+
+
+@dataclass(frozen=True)
+class SpecCounters:
+    drafts: int
+    accepted: int
+    per_position: tuple[int, ...]
+
+    def minus(self, before: SpecCounters) -> SpecCounters:
+        positions = max(len(self.per_position), len(before.per_position))
+
+        def at(values: tuple[int, ...], k: int) -> int:
+            return values[k] if k < len(values) else 0
+
+        return SpecCounters(self.drafts - before.drafts, self.accepted - before.accepted,
+                            tuple(at(self.per_position, k) - at(before.per_position, k) for k in range(positions)))
+
+
+def acceptance_figures(drafts: int, accepted: int, per_position: list[int] | tuple[int, ...]) -> dict[str, Any]:
+    """τ and its parts as both engines report them: `per_position[k]` = verification steps whose draft k was
+    accepted (vLLM's definition; our histogram summed above k)."""
+    return {"acceptance_length": 1 + accepted / drafts if drafts else None, "per_position": list(per_position),
+            "drafts": drafts, "accepted_tokens": accepted}
+
+
+def per_position_from_histogram(histogram: list[int]) -> list[int]:
+    """`histogram[n]` = steps that accepted n drafts (n = 0 .. B-1) -> steps that accepted draft k (k = 0 .. B-2)."""
+    return [sum(histogram[k + 1:]) for k in range(len(histogram) - 1)]
+
+
+def metrics_url(base_url: str) -> str:
+    """The server's Prometheus page: `/metrics` at the root of the OpenAI base URL's host."""
+    parts = urlsplit(base_url)
+    return f"{parts.scheme}://{parts.netloc}/metrics"
+
+
+def parse_counters(text: str) -> SpecCounters | None:
+    """vLLM's spec-decode counters from its Prometheus text (summed over engines); None without a speculator."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    drafts = accepted = 0.0
+    per_position: dict[int, float] = {}
+    found = False
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == DRAFTS + "_total":
+                drafts, found = drafts + sample.value, True
+            elif sample.name == ACCEPTED + "_total":
+                accepted += sample.value
+            elif sample.name == PER_POSITION + "_total":
+                k = int(sample.labels["position"])
+                per_position[k] = per_position.get(k, 0.0) + sample.value
+    if not found:
+        return None
+    return SpecCounters(int(drafts), int(accepted),
+                        tuple(int(per_position.get(k, 0)) for k in range(max(per_position, default=-1) + 1)))
+
+
+def read_counters(base_url: str, headers: dict[str, str] | None = None) -> SpecCounters:
+    url = metrics_url(base_url)
+    try:
+        response = httpx.get(url, headers=headers, timeout=30.0)
+    except httpx.HTTPError as err:
+        raise EngineError(f"eval: cannot read {url}: {type(err).__name__}: {err}") from None
+    if response.status_code != 200:
+        raise EngineError(f"eval: {url} answered HTTP {response.status_code}: the engine publishes no metrics")
+    counters = parse_counters(response.text)
+    if counters is None:
+        raise EngineError(f"eval: {url} has no {DRAFTS}_total: the server at {base_url} serves no speculator")
+    return counters
+
+
+def settled_counters(base_url: str, headers: dict[str, str] | None, drafts_at_least: int) -> SpecCounters:
+    """The counters once two readings a moment apart agree (and count at least `drafts_at_least` drafts), or as
+    they are after SETTLE_S."""
+    deadline = time.monotonic() + SETTLE_S
+    last = read_counters(base_url, headers)
+    while time.monotonic() < deadline:
+        time.sleep(0.25)
+        now = read_counters(base_url, headers)
+        if now == last and now.drafts >= drafts_at_least:
+            return now
+        last = now
+    return last
+
+
+# -- the drafter as an engine serves it ---------------------------------------------------------------------------
+
+
+def drafter_embedding_note(drafter_dir: str | Path) -> str | None:
+    """`export.vllm_embedding_note` for an export folder: its config's input_embedding_scale, and whether its
+    weights carry their own embedding."""
+    config = json.loads((Path(drafter_dir) / CONFIG).read_text())
+    scale = float((config.get("dflash_config") or {}).get("input_embedding_scale", 1.0))
+    with safe_open(Path(drafter_dir) / WEIGHTS, "pt") as f:
+        own = OWN_EMBEDDING in f.keys()  # noqa: SIM118 (a safetensors file is not a mapping)
+    return vllm_embedding_note(scale, own)
+
+
+# -- a vLLM server and the questions ------------------------------------------------------------------------------
+
+
+VLLM_GENERIC_ERRORS = ("Engine core initialization failed",)
+"""What vLLM's API server says after its engine process died: the cause is an earlier line."""
+
+
+def vllm_error(log_text: str) -> str | None:
+    """vLLM's own reason for not starting: the last `SomethingError: message` line of its log that is not a
+    generic follow-up, without the process prefix."""
+    found: list[str] = []
+    for line in log_text.splitlines():
+        match = re.search(r"\b(\w+(?:Error|Exception)): (.+)$", line)
+        if match:
+            found.append(f"{match.group(1)}: {match.group(2).strip()}")
+    specific = [f for f in found if not any(g in f for g in VLLM_GENERIC_ERRORS)]
+    return (specific or found or [None])[-1]
+
+
+@dataclass
+class ServedEval:
+    """What `vllm_eval` needs besides the drafter: the target, its rendered prompts and its own greedy answers."""
+
+    target: TargetConfig
+    tokenizer: Any
+    prompts: list[list[int]]
+    references: list[list[int]]
+    stops: set[int]
+    model: Any = None
+    """The target already loaded: a GGUF target is converted from it without loading it again."""
+
+
+def vllm_eval(job: ServedEval, drafter_dir: str | Path, block_size: int, max_new_tokens: int,
+              endpoint: str | None = None, workdir: str | Path = "runs/engines",
+              startup_timeout_s: float = 900.0) -> dict[str, Any]:
+    """The drafter's τ in vLLM: at `endpoint` (a server the user started with it), or in a local server started
+    here and stopped after. An entry with `error` (vLLM's own reason) when the local server does not start."""
+    from dflash_stream.regenerate.servers import (
+        ServerError,
+        dflash_speculator,
+        kv_cache_gib,
+        safetensors_copy,
+        vllm_python,
+        vllm_server,
+    )
+    from dflash_stream.target_model.loading import resolve_dtype
+
+    note = drafter_embedding_note(drafter_dir)
+    if note:
+        log.warning("eval: %s", note)
+    if endpoint is not None:
+        entry = _ask(job, endpoint, block_size, max_new_tokens)
+        entry["server"] = endpoint
+        return {**entry, **({"note": note} if note else {})}
+    python = vllm_python()
+    if not python.exists():
+        raise ConfigError(f"eval --engine vllm: {python} not found; make vLLM's environment with `make vllm-env`, "
+                          "or give --endpoint of a vLLM server serving this drafter")
+    import torch
+
+    workdir = Path(workdir)
+    model_dir = safetensors_copy(job.target, job.tokenizer, workdir, job.model)
+    longest = max(len(p) for p in job.prompts) + max_new_tokens + block_size  # drafts may reach past the budget
+    dtype = str(resolve_dtype(job.target, torch.device("cpu"))).removeprefix("torch.")
+    log_path = workdir / "logs" / "vllm-eval.log"
+    log_path.unlink(missing_ok=True)  # the log read back on failure is this server's
+    server = vllm_server(model_dir, log_path, dtype=dtype, max_model_len=longest,
+                         speculative=dflash_speculator(drafter_dir, block_size),
+                         kv_cache_gib=kv_cache_gib(job.target, longest), python=python)
+    log.info("eval: starting vLLM with %s as its DFlash speculator (log %s)", drafter_dir, log_path)
+    with server:
+        started = time.perf_counter()
+        try:
+            server.start()
+            server.wait_ready(startup_timeout_s)
+        except ServerError as err:
+            reason = vllm_error(server.log_tail(400)) or str(err).splitlines()[0]
+            log.warning("eval: vLLM did not serve the drafter: %s", reason)
+            return {"error": reason, "log": str(log_path)}
+        startup = time.perf_counter() - started
+        entry = _ask(job, server.url, block_size, max_new_tokens)
+    entry.update(server="local", startup_seconds=round(startup, 1), log=str(log_path))
+    return {**entry, **({"note": note} if note else {})}
+
+
+def _ask(job: ServedEval, url: str, block_size: int, max_new_tokens: int) -> dict[str, Any]:
+    """Every prompt once, one at a time (batching changes the kernels' rounding, and near-ties with it), between
+    two readings of the counters."""
+    from dflash_stream.regenerate.client import Answer, CompletionClient, Prompt
+
+    gen = GenerationConfig(engine="openai", endpoints=[url], temperature=0.0, retries=0)
+    client = CompletionClient(gen, job.tokenizer, job.stops, concurrency=1)
+    answers: list[Answer] = []
+    client.run([Prompt(-1, job.prompts[0], 2)], answers.append)  # warm-up, before the first reading
+    if answers[0].tokens is None:
+        raise EngineError(f"eval: {url} does not answer: {answers[0].error}")
+    before = settled_counters(url, None, 1)  # the warm-up's step counted
+    if len(before.per_position) != block_size - 1:
+        raise EngineError(f"eval: the server at {url} drafts {len(before.per_position)} tokens per step, this "
+                          f"drafter's block is {block_size}: serve it with num_speculative_tokens {block_size - 1}")
+    answers.clear()
+    started = time.perf_counter()
+    client.run([Prompt(i, ids, max_new_tokens) for i, ids in enumerate(job.prompts)], answers.append)
+    seconds = time.perf_counter() - started
+    tokens = {a.key: a.tokens for a in answers}
+    failed = [a for a in answers if a.tokens is None]
+    if failed:
+        raise EngineError(f"eval: {url} failed {len(failed)} of {len(answers)} prompts, e.g. {failed[0].error}")
+    # At least one draft per answer token after the first could not have been skipped: wait for them all.
+    after = settled_counters(url, None, before.drafts + 1).minus(before)
+    new_tokens = sum(len(t) for t in tokens.values())
+    same = sum(tokens[i] == ref for i, ref in enumerate(job.references))
+    return {**acceptance_figures(after.drafts, after.accepted, after.per_position),
+            "new_tokens": new_tokens, "matches_target": same == len(job.references),
+            "answers_as_target": same, "seconds": round(seconds, 3),
+            "tokens_per_s": round(new_tokens / seconds, 2) if seconds else None}
