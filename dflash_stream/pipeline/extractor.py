@@ -34,6 +34,7 @@ from dflash_stream.pipeline.common import (
     save_resolved_config,
     store_layout,
 )
+from dflash_stream.pipeline.cores import HostCores
 from dflash_stream.pipeline.guard import hold_output, stop_with_launcher
 from dflash_stream.pipeline.packing import SegmentPacker
 from dflash_stream.pipeline.replay import StoreReplay
@@ -150,6 +151,8 @@ class Extractor:
         self.layer_ids = resolve_layer_ids(shape.num_layers, cfg.target)
         self.capture = LayerCapture(self.model, self.layer_ids)
         self._host = HostCopier(device)
+        # A CPU run's extractors take the trainers' cores while the store holds nothing for them to train.
+        self._cores = HostCores(device, peers=role.count)
         self.samples, self.report = prepare_shard(cfg, self.tokenizer, role.index, role.count)
         self.cache = ResponseCache(cfg.output_dir, data_spec_digest(cfg), role.index) if cfg.data.regenerate else None
         self._server: ServerRegenerator | None = None
@@ -306,6 +309,7 @@ class Extractor:
         todo = [batch]
         while todo:
             part = todo.pop(0)
+            self._cores.use(not self.store.work_for_consumers())
             try:
                 states, ready = self._capture(part)
             except torch.OutOfMemoryError:
@@ -397,6 +401,7 @@ class Extractor:
         for first in range(0, len(missing), gen.batch_size):
             chunk = missing[first : first + gen.batch_size]
             budget = min(gen.max_new_tokens, max_length - chunk[0].num_tokens)
+            self._cores.use(not self.store.work_for_consumers())
             started = time.perf_counter()
             responses = generate_responses(self.model, self.tokenizer, [s.input_ids for s in chunk], gen, budget)
             self._generate_seconds += time.perf_counter() - started

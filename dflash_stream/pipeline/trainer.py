@@ -46,6 +46,7 @@ from dflash_stream.observe.metrics import MetricsWriter, TrainingTracker
 from dflash_stream.pipeline import checkpoint as ckpt
 from dflash_stream.pipeline.checkpoint_writer import CheckpointWriter, SharedState
 from dflash_stream.pipeline.common import log_store_event
+from dflash_stream.pipeline.cores import HostCores
 from dflash_stream.pipeline.position import DataPosition
 from dflash_stream.pipeline.rng import RngState
 from dflash_stream.pipeline.roles import RoleInfo
@@ -154,6 +155,9 @@ class Trainer:
         self._last_checkpoint_step = 0
         self._finished = False
         self.data_wait = DataWait(store, WAIT_POLL_SECONDS)  # its timeout is `train --wait-timeout`
+        # A CPU run's trainers take the extractors' cores once all the data is extracted.
+        self.cores = HostCores(device, peers=self.trainers)
+        self._extraction_over = False
         self.stats = StepStats(self.spec.block_size)
         self.stop = StopRequest()
 
@@ -299,6 +303,9 @@ class Trainer:
                     return True
 
                 # One step: forward/backward this rank's micro-batches, agree with the other ranks, update.
+                if self.cores.enabled and not self._extraction_over:
+                    self._extraction_over = self.store.end_of_data
+                    self.cores.use(self._extraction_over)
                 started = time.perf_counter()
                 flags = self._sync(*self._accumulate())
                 if flags["trained"]:

@@ -235,6 +235,10 @@ class Store:
         """Some other live process holds a consumer id of this store (a trainer is running)."""
         return lease.any_live(self.path / "locks", "consumer-")
 
+    def work_for_consumers(self) -> bool:
+        """Some segment use is READY or claimed: a consumer has (or is decoding) something to train."""
+        return bool(self._ls("ready")) or any(self._ls(f"claimed/{c}") for c in self._ls("claimed"))
+
     def drained(self) -> bool:
         """End of data, and every segment consumed for the last time."""
         return self.end_of_data and not self._ls("ready") and not any(self._ls(f"claimed/{c}") for c in self._ls("claimed"))
