@@ -113,7 +113,8 @@ class GenerationConfig(Section):
     """engine openai: the servers' base URLs (`http://host:8000/v1`; `/v1` is added to a bare host:port), one per
     node or GPU group; they share the work."""
     model: str | None = None
-    """engine openai: the served model name; default: the first model each endpoint lists at /v1/models."""
+    """engine openai: the served model name; default: the one each endpoint lists at /v1/models named as
+    target.model (or as its last path part), else its only one."""
     concurrency: int = Field(64, ge=1)
     """engine openai: requests in flight per endpoint (over all the processes of a run: extractors split it)."""
     api_key_env: str | None = None
@@ -124,8 +125,8 @@ class GenerationConfig(Section):
     """engine openai: how long every endpoint may stay unreachable before the phase stops (a restarting server
     takes minutes; what was answered is kept)."""
     retries: int = Field(3, ge=0)
-    """engine openai: how often a request that failed (error status, timeout) is sent again before it counts as
-    an error."""
+    """engine openai: how often a request that failed (error status, timeout, an aborted or malformed answer, a
+    dropped connection while its endpoint answers others) is sent again before it counts as an error."""
     tokens_per_s: float | None = Field(None, gt=0)
     """engine openai, for `plan`: generated tokens per second of one endpoint (measure it with `bench
     regenerate`); default: an estimate from the target's size."""

@@ -9,9 +9,11 @@ Every reader and writer of OUTPUT goes through `RunDir`, so the layout below has
     ledger/trainer-R/N.jsonl     segment uses trainer rank R trained between the previous checkpoint and step N
     ledger/released-trainer-R.jsonl  segment uses rank R released since its latest checkpoint (train.release on_use)
     data/report-<shard>.json     what the data stage kept and skipped (the audit's expected ids)
-    data/responses-<digest>-<shard>.jsonl   regenerated responses, appended as made
+    data/responses-<key>-<part>.jsonl   regenerated responses, appended as made (.idx: where each line is;
+                                 responses-<key>.json: what the key stands for)
     tensorboard/<role>-<rank>/   TensorBoard scalars (metrics.tensorboard)
     drafter/                     the final export
+    training-over.json           this launch's training is over (its id): the extractors leave
     summary-parts/<role>-<index>.json, summary.json, eval.json, report/*.png
 
 It sits beside config.py at the bottom of the package, so every part (data, store, pipeline, observe, drafter)
@@ -119,9 +121,18 @@ class RunDir:
     def data_reports(self) -> list[Path]:
         return sorted(self.data.glob("report-*.json"))
 
-    def responses(self, digest: str, shard: int | str) -> Path:
-        """Regenerated responses of data spec `digest` (shard "*": a glob pattern for every shard's file)."""
-        return self.data / f"responses-{digest}-{shard}.jsonl"
+    def responses(self, digest: str, part: int | str) -> Path:
+        """Regenerated responses under cache key `digest` written by `part` (an extractor's shard, or a
+        `regenerate` process; "*": a glob pattern for every part's file)."""
+        return self.data / f"responses-{digest}-{part}.jsonl"
+
+    def responses_index(self, digest: str, part: int | str) -> Path:
+        """Where each line of `responses(digest, part)` is, and when it was written (fixed-size records)."""
+        return self.data / f"responses-{digest}-{part}.idx"
+
+    def responses_key(self, digest: str) -> Path:
+        """What cache key `digest` stands for (target, tokenizer, stop tokens, max length, data spec)."""
+        return self.data / f"responses-{digest}.json"
 
     # ---------------------------------------------------------------- results
 
@@ -138,6 +149,11 @@ class RunDir:
 
     def summary_part_files(self) -> list[Path]:
         return sorted(self.summary_parts.glob("*.json"))
+
+    @property
+    def training_over(self) -> Path:
+        """Written by trainer 0 once training is over, naming its launch: the extractors of that launch leave."""
+        return self.root / "training-over.json"
 
     @property
     def summary(self) -> Path:

@@ -54,3 +54,21 @@ def tiny_target_dir(demo_tokenizer_dir, tmp_path_factory) -> Path:
     for item in demo_tokenizer_dir.iterdir():
         shutil.copy(item, out / item.name)
     return out
+
+
+@pytest.fixture(scope="session")
+def servers(tiny_target_dir, tmp_path_factory):
+    """Two `transformers serve` processes on the tiny target (~20 s each to start), for the tests that regenerate
+    through real servers; a test that kills or pauses one brings it back before it ends. One after the other:
+    two starting at once on this machine lose one model process while loading."""
+    from dflash_stream.regenerate.servers import LocalServer
+
+    logs = tmp_path_factory.mktemp("servers")
+    pair = [LocalServer("transformers", tiny_target_dir, logs / f"server-{i}.log") for i in range(2)]
+    try:
+        for server in pair:
+            server.start().wait_ready(240)
+        yield pair
+    finally:
+        for server in pair:
+            server.stop()

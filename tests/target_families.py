@@ -39,7 +39,9 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
                                     "qk_rope_head_dim": 16, "qk_nope_head_dim": 32, "v_head_dim": 32}),
     "qwen3_5": ("qwen3_5", {"text_config": {**TEXT, **GDN}, "vision_config": {"depth": 1, "hidden_size": 32,
                             "intermediate_size": 32, "num_heads": 2, "out_hidden_size": 64}}),
-    "qwen3_5_moe": ("qwen3_5_moe", {"text_config": {**TEXT, **GDN, **MOE, "shared_expert_intermediate_size": 32},
+    # As the hub's Qwen3.5/3.6-MoE configs: experts' and shared expert's widths, no dense `intermediate_size`.
+    "qwen3_5_moe": ("qwen3_5_moe", {"text_config": {**_drop(TEXT, "intermediate_size"), **GDN, **MOE,
+                                                    "shared_expert_intermediate_size": 32},
                                     "vision_config": {"depth": 1, "hidden_size": 32, "num_heads": 2,
                                                       "out_hidden_size": 64}}),
     "gemma3": ("gemma3", {"text_config": {**TEXT, "sliding_window": WINDOW, "sliding_window_pattern": 2},

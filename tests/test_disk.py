@@ -90,6 +90,31 @@ def test_keep_checkpoints_and_leftovers_of_interrupted_writes(tmp_path):
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [".step-50.tmp", "step-20"]
 
 
+def test_an_old_checkpoint_that_cannot_be_deleted_stops_the_next_run_before_any_work(tiny_target_dir, tmp_path,
+                                                                                     capsys, monkeypatch):
+    """A checkpoint older than train.keep_checkpoints that an earlier launch failed to delete is deleted before
+    the disk check counts the run's own files as free; when it still cannot be, the run stops in one line naming
+    it and the bytes it keeps, before the store is touched."""
+    config = write_run_config(tmp_path, tiny_target_dir, **{"train.keep_checkpoints": 1})
+    output = tmp_path / "out"
+    for step in (2, 4):
+        ckpt.save_torch({"step": step, "x": torch.zeros(2**18)}, ckpt.begin(output, step) / "trainer_state.pt")
+        ckpt.publish(output, step, keep=1, prune=False)
+    real_rmtree = ckpt.shutil.rmtree
+
+    def refusing_rmtree(path, *args, **kwargs):
+        if Path(path).name == "step-2" and not kwargs.get("ignore_errors"):
+            raise OSError(39, "Directory not empty", str(path))
+        return real_rmtree(path, *args, **kwargs)
+
+    monkeypatch.setattr(ckpt.shutil, "rmtree", refusing_rmtree)
+    assert main(["run", "--config", str(config)]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+    assert len(err) == 1 and "could not delete the old checkpoint" in err[0] and "/out/checkpoints/step-2 (" in err[0]
+    assert "bytes still on disk): OSError: [Errno 39] Directory not empty" in err[0]
+    assert not (output / "store").exists()
+
+
 def _plan_json(config: Path, capsys, *args: str) -> dict:
     assert main(["plan", "--config", str(config), "--json", *args]) == 0
     return json.loads(capsys.readouterr().out)

@@ -95,3 +95,23 @@ def test_padded_batch_captures_each_sample_as_alone(family, targets):
         alone = capture(row[None], torch.ones(1, len(row), dtype=torch.long))[0]
         # Captured as bf16: equal float32 states round to the same bf16 value, up to one ulp at a rounding edge.
         torch.testing.assert_close(batched[i, : len(row)].float(), alone.float(), rtol=8e-3, atol=1e-5)
+
+
+def test_a_moe_target_without_a_dense_mlp_gets_a_drafter(targets, tmp_path):
+    """Qwen3.5/3.6-MoE configs name their experts' widths and no dense `intermediate_size` (the tiny one is
+    built so): the drafter's MLP defaults to 3 x hidden, as z-lab's Qwen3.5-35B-A3B drafter (2048 -> 6144), the
+    drafter builds, and `plan` sizes the same drafter."""
+    from dflash_stream.config import load_config
+    from dflash_stream.drafter import DFlashDrafter, build_spec
+    from dflash_stream.sizing.memory import drafter_dims, target_dims
+
+    config = write_run_config(tmp_path, targets["qwen3_5_moe"], rows=4)
+    cfg = load_config(config)
+    shape = target_shape(cfg.target, count=False)
+    assert shape.intermediate_size is None  # as the hub config
+    layer_ids = resolve_layer_ids(shape.num_layers, cfg.target)
+    spec = build_spec(cfg, shape, layer_ids)
+    assert spec.intermediate_size == 3 * 64
+    drafter = DFlashDrafter(spec)
+    assert sum(p.numel() for p in drafter.parameters()) == \
+        drafter_dims(cfg, target_dims(shape), len(layer_ids)).num_parameters

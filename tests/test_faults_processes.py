@@ -4,6 +4,7 @@ the budget, and two separate launches (`extract` and `train`) sharing one store,
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -159,3 +160,73 @@ def test_separate_extract_and_train_launches_share_a_store_through_kills_and_dam
     quarantined = [q["segment_id"] for q in report["quarantined"]]
     assert quarantined and set(quarantined) <= set(damaged), (quarantined, damaged)
     assert f"quarantined damaged segment {quarantined[0]}" in (tmp_path / "train.log").read_text()
+
+
+DAMAGING_RUN = """
+import sys
+from dflash_stream.store import segment
+real_write = segment.write_file
+def damaging_write(path, data):
+    # A bad sector under the second segment's first chunk of states, found by the trainer's crc32c check.
+    if path.parent.parent.name == "extractor-0.000001" and path.name == "c.0.0" and "hidden" in path.parent.name:
+        data = bytes(data[:-8]) + b"\\0" * 8
+    real_write(path, data)
+segment.write_file = damaging_write
+from dflash_stream.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def _finish(proc: subprocess.Popen, log: Path, timeout: float) -> str:
+    """The launch's exit status checked, its log; killed as a whole (workers in their own sessions too) when it
+    runs past `timeout`."""
+    try:
+        assert proc.wait(timeout=timeout) == 0, log.read_text()[-4000:]
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        for pid in rank_pids(log.parent / "out").values():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        proc.wait()
+        raise AssertionError(f"the launch did not end within {timeout:.0f} s:\n{log.read_text()[-4000:]}") from None
+    return log.read_text()
+
+
+def test_a_summary_part_of_an_earlier_launch_does_not_end_re_extraction(tiny_target_dir, tmp_path):
+    """Case 8: a launch on a folder an earlier launch finished (its summary parts are there, as when a user runs
+    it again to fetch unanswered samples); a segment this launch writes is damaged. The extractor stays until
+    this launch's trainer 0 says training is over, re-extracts the quarantined samples, and the run ends with
+    every sample trained once."""
+    from dflash_stream.pipeline.audit import audit_run
+
+    config = write_run_config(tmp_path, tiny_target_dir, rows=48, **{"train.epochs": 1})
+    parts = tmp_path / "out" / "summary-parts"
+    parts.mkdir(parents=True)
+    for role in ("trainer", "extractor"):
+        (parts / f"{role}-0.json").write_text(json.dumps({"role": role, "index": 0, "written": time.time() - 3600}))
+    script = tmp_path / "damaging_run.py"
+    script.write_text(DAMAGING_RUN)
+    log = tmp_path / "run.log"
+    proc = _launch(config, log, "accelerate.commands.launch", "--config_file", str(LAUNCH_2CPU), str(script), "run")
+    text = _finish(proc, log, 240)
+    report = audit_run(tmp_path / "out")
+    assert report["ok"] and [p["missing"] + p["duplicated"] for p in report["passes"]] == [0], report
+    assert [q["segment_id"] for q in report["quarantined"]] == ["extractor-0.000001"]
+    assert "extracted the" in text and "of quarantined part extractor-0.000001" in text
+
+
+def test_max_steps_ends_the_launch_while_the_extractor_waits_for_room(tiny_target_dir, tmp_path):
+    """Case 9: train.max_steps stops training while the extractor is held back by the full buffer (far more data
+    than the budget): it leaves within a moment of trainer 0's word, and the launch ends without trainer 0
+    waiting SUMMARY_WAIT_S for its summary part."""
+    from dflash_stream.pipeline.run import SUMMARY_WAIT_S
+
+    config = write_run_config(tmp_path, tiny_target_dir, rows=200, **{"train.max_steps": 2})
+    log = tmp_path / "run.log"
+    started = time.monotonic()
+    text = _finish(_accelerate_run(config, log), log, SUMMARY_WAIT_S - 60)
+    assert time.monotonic() - started < SUMMARY_WAIT_S - 60
+    assert "held back by the full buffer" in text
+    assert "training is over: extractor 0 leaves with part of its data not extracted" in text
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["steps"] == 2 and summary["missing_parts"] == []

@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 import zipfile
@@ -177,8 +178,9 @@ def test_gpu_check_runs_every_part_and_records_each(tmp_path):
     kit = fake_kit(tmp_path / "kit")
     out = tmp_path / "out"
     env = {**os.environ, "PYTHON": sys.executable, "PYTHONPATH": str(ROOT)}
-    done = subprocess.run([str(ROOT / "scripts" / "gpu-check"), "--kit", str(kit), "--out", str(out)],
-                          capture_output=True, text=True, env=env, timeout=600)
+    env["GPU_CHECK_TOTAL_S"] = "470"  # every part: bench compile, last, gets what this CPU leaves of it
+    done = subprocess.run([str(ROOT / "scripts" / "gpu-check"), "--group", "all", "--kit", str(kit), "--out",
+                           str(out)], capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 1, done.stdout + done.stderr  # bench gpu cannot pass without CUDA
     parts = {p["part"]: p for p in json.loads((out / "summary.json").read_text())}
     assert list(parts)[:4] == ["install", "versions", "pytest-gpu", "bench-gpu"]
@@ -189,9 +191,39 @@ def test_gpu_check_runs_every_part_and_records_each(tmp_path):
     assert 'skipped="' in (out / "pytest-gpu.xml").read_text()
     assert parts["bench-gpu"]["rc"] == "2"
     assert "needs a CUDA device" in (out / "bench-gpu.log").read_text()
-    dry = subprocess.run([str(ROOT / "scripts" / "gpu-check"), "--dry-run", "--kit", str(kit)],
+    dry = subprocess.run([str(ROOT / "scripts" / "gpu-check"), "--group", "all", "--dry-run", "--kit", str(kit)],
                          capture_output=True, text=True, env=env)
     assert dry.returncode == 0 and "pytest -m gpu" in dry.stdout and "bench gpu --json" in dry.stdout
+
+
+DEVICE_COMMAND_S, DEVICE_SESSION_S, DEVICE_START_S = 600, 900, 180
+"""A lent device: 10 minutes a command, 15 minutes a session, and a few minutes to start."""
+
+
+def test_each_gpu_check_group_fits_a_device_command_with_room_to_rerun(tmp_path):
+    """Every part is in a group, and each group (the default one included) fits one device command with room for
+    the machine's start and a rerun of it within one session."""
+    kit = fake_kit(tmp_path / "kit")
+    env = {**os.environ, "PYTHON": sys.executable}
+    env.pop("GPU_CHECK_TOTAL_S", None)
+    parts: dict[str, list[str]] = {}
+    for group in ("", "core", "bench", "hybrid", "all"):
+        args = ["--group", group] if group else []
+        dry = subprocess.run([str(ROOT / "scripts" / "gpu-check"), *args, "--dry-run", "--kit", str(kit)],
+                             capture_output=True, text=True, env=env, timeout=60)
+        assert dry.returncode == 0, dry.stdout + dry.stderr
+        total = int(re.search(r"total limit (\d+)s", dry.stdout).group(1))
+        limits = {m.group(1): int(m.group(2)) for m in re.finditer(r"^  (\S+) +(\d+)s  ", dry.stdout, re.M)}
+        assert sum(limits.values()) <= total, (group, limits, total)
+        parts[group or "default"] = list(limits)
+        if group != "all":
+            assert DEVICE_START_S + 2 * total <= DEVICE_SESSION_S and total < DEVICE_COMMAND_S, (group, total)
+    assert parts["default"] == parts["core"]
+    assert set(parts["all"]) == set(parts["core"]) | set(parts["bench"]) | set(parts["hybrid"])
+    bad = subprocess.run([str(ROOT / "scripts" / "gpu-check"), "--group", "fast", "--dry-run", "--kit", str(kit)],
+                         capture_output=True, text=True, env=env)
+    assert bad.returncode == 2 and bad.stderr.strip() == ("gpu-check: --group fast: unknown group (allowed: core, "
+                                                          "bench, hybrid, all)")
 
 
 BLOCKER = """

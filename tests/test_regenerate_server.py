@@ -1,5 +1,5 @@
 """Regeneration through real serving engines (data.generation.engine: openai): `transformers serve` processes
-started here with continuous batching, on the tiny target. Answers land in the cache, two endpoints share the
+started with continuous batching, on the tiny target (conftest's `servers`, shared with the chaos test). Answers land in the cache, two endpoints share the
 work, a server killed mid-phase or a killed `regenerate` loses nothing asked, errors and hangs are retried with
 one clear line, and a whole `accelerate launch run` trains from the servers' answers."""
 
@@ -27,21 +27,6 @@ DATA = REPO / "dflash_stream" / "demo_data"
 LAUNCH_2CPU = REPO / "launch" / "cpu-2proc.yaml"
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def servers(tiny_target_dir, tmp_path_factory):
-    """Two `transformers serve` processes on the tiny target (~20 s each to start). One after the other: two
-    starting at once on this machine lose one model process while loading."""
-    logs = tmp_path_factory.mktemp("servers")
-    pair = [LocalServer("transformers", tiny_target_dir, logs / f"server-{i}.log") for i in range(2)]
-    try:
-        for server in pair:
-            server.start().wait_ready(240)
-        yield pair
-    finally:
-        for server in pair:
-            server.stop()
 
 
 def write_config(tmp: Path, target: Path, endpoints: list[str], sources: list[str] | None = None,

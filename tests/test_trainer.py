@@ -19,6 +19,7 @@ import yaml
 
 from dflash_stream.config import Config, config_from_dict
 from dflash_stream.drafter.shapes import default_buckets
+from dflash_stream.errors import DFlashError
 from dflash_stream.observe.metrics import MetricsWriter, read_metrics
 from dflash_stream.pipeline import checkpoint as ckpt
 from dflash_stream.pipeline.common import open_store
@@ -368,6 +369,24 @@ def test_kill_9_mid_run_then_resume_trains_every_sample_exactly_once(tmp_path, t
     assert_store_drained(store)
 
 
+def test_a_run_with_nothing_to_train_stops_before_training_naming_why(tmp_path, target_dir):
+    """Every sample dropped before extraction (here: the servers answered none): the trainer reaches the end of
+    the data at step 0 and stops with one line naming the skips, instead of exporting an untrained drafter."""
+    cfg = make_config(tmp_path, target_dir)
+    fill_store(cfg, [])
+    report = Path(cfg.output_dir) / "data" / "report-0.json"
+    report.parent.mkdir(parents=True, exist_ok=True)
+    report.write_text(json.dumps({"kept": 0, "sample_ids": [], "skipped": {"no_answer": 40, "too_long": 2}}))
+    trainer = new_trainer(cfg)
+    with pytest.raises(DFlashError) as stopped:
+        trainer.run()
+    trainer.close()
+    line = str(stopped.value)
+    assert line.startswith("nothing to train: the extractors stored no sample (skipped: no_answer 40, too_long 2)")
+    assert "no drafter is exported" in line and "no_answer: the servers gave none" in line
+    assert ckpt.latest_checkpoint(cfg.output_dir) is None
+
+
 @pytest.mark.parametrize("rule", ["on_use", "after_checkpoint"])
 def test_until_idle_trains_what_is_ready_releases_it_and_returns(tmp_path, target_dir, samples, rule):
     """Single-process mode: extraction and training alternate, so training must stop (not block) when the
@@ -527,6 +546,99 @@ def test_two_trainers_stay_in_lockstep_and_share_the_data_exactly_once(tmp_path,
                    for line in f.read_text().splitlines()) for r in (0, 1)]
     assert min(ledgers) > 0  # both ranks trained
     assert (output / "drafter" / "config.json").is_file()
+
+
+FAIL_RANK_1_WRITE = """
+import errno, sys
+from dflash_stream.pipeline import checkpoint as ckpt
+real, parts = ckpt.save_torch, []
+def save_torch(obj, path):
+    if path.name == "trainer-1.pt":
+        parts.append(path)
+        if len(parts) == 2:  # rank 1's part of the second checkpoint: the disk answers EIO
+            raise OSError(errno.EIO, "Input/output error")
+    return real(obj, path)
+ckpt.save_torch = save_torch
+from dflash_stream.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def _launch_two_trainers(config: Path, rank_1_code: str | None = None) -> list[subprocess.Popen]:
+    port = _free_port()
+    procs = []
+    for rank in (0, 1):
+        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "OMP_NUM_THREADS": "1",
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        start = ["-c", rank_1_code] if rank == 1 and rank_1_code else ["-m", "dflash_stream"]
+        procs.append(subprocess.Popen([sys.executable, *start, "train", "--config", str(config)], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    return procs
+
+
+@pytest.mark.slow
+def test_a_background_write_that_fails_on_one_rank_is_never_published(tmp_path, target_dir, samples):
+    """Two trainers, background checkpoints; rank 1's part of the second checkpoint fails with EIO. No rank
+    publishes it: both stop with the same one line naming rank 1, its file and the error; every complete
+    checkpoint holds both parts; the next launch resumes from the first one and trains every sample once.
+    after_checkpoint: trainers launched without an extractor, whose resume has no uses to extract again."""
+    cfg = make_config(tmp_path, target_dir, epochs=2, checkpoint_every=2, async_checkpoint=True,
+                      release="after_checkpoint")
+    store = fill_store(cfg, samples[:24], per_segment=3)
+    config = _write_yaml(cfg, tmp_path)
+    output = Path(cfg.output_dir)
+    procs = _launch_two_trainers(config, FAIL_RANK_1_WRITE)
+    logs = [p.communicate(timeout=240)[0] for p in procs]
+    assert [p.returncode for p in procs] == [2, 2], logs[0][-2000:] + logs[1][-2000:]
+    lines = [[line for line in log.splitlines() if line.startswith("dflash-stream: error:")] for log in logs]
+    assert len(lines[0]) == len(lines[1]) == 1 and lines[0] == lines[1], lines
+    line = lines[0][0]
+    assert "was not published: trainer rank 1: could not write" in line and "trainer-1.pt" in line, line
+    assert "OSError: [Errno 5] Input/output error" in line and "resumes from step-2" in line, line
+    assert "Traceback" not in logs[0] + logs[1]
+    for checkpoint in ckpt.complete_checkpoints(output):
+        assert sorted(p.name for p in checkpoint.glob("trainer-*.pt")) == ["trainer-0.pt", "trainer-1.pt"]
+    assert ckpt.checkpoint_step(ckpt.latest_checkpoint(output)) == 2
+
+    procs = _launch_two_trainers(config)
+    logs = [p.communicate(timeout=240)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], logs[0][-2000:] + logs[1][-2000:]
+    assert "resumed from" in logs[0] and "step-2" in logs[0]
+    assert_exactly_once(output, samples[:24], epochs=2)
+    assert_store_drained(store)
+
+
+def test_an_old_checkpoint_that_cannot_be_deleted_stops_training_in_one_line(tmp_path, target_dir, samples,
+                                                                             monkeypatch):
+    """The deletion of older checkpoints after a background publish fails (an NFS server refusing an rmtree):
+    training stops at the next checkpoint with one line naming the folder, the bytes it keeps and the error,
+    instead of a thread's traceback that leaves the folder filling the disk. after_checkpoint: a trainer resumed
+    without an extractor, with no uses to extract again."""
+    cfg = make_config(tmp_path, target_dir, epochs=2, checkpoint_every=2, keep_checkpoints=1, async_checkpoint=True,
+                      release="after_checkpoint")
+    fill_store(cfg, samples[:12], per_segment=3)
+    real_rmtree = ckpt.shutil.rmtree
+
+    def refusing_rmtree(path, *args, **kwargs):
+        if Path(path).name == "step-2" and Path(path).is_dir() and not kwargs.get("ignore_errors"):
+            raise OSError(16, "Device or resource busy", str(path))
+        return real_rmtree(path, *args, **kwargs)
+
+    monkeypatch.setattr(ckpt.shutil, "rmtree", refusing_rmtree)
+    trainer = new_trainer(cfg)
+    with pytest.raises(DFlashError) as failed:
+        trainer.run()
+    trainer.close()
+    line = str(failed.value)
+    assert "\n" not in line and "trainer rank 0: could not delete the old checkpoint" in line, line
+    assert "/checkpoints/step-2 (" in line and "bytes still on disk): OSError: [Errno 16] Device or resource busy" in line
+    assert (Path(cfg.output_dir) / "checkpoints" / "step-2").is_dir()
+    # The next launch deletes it first, or stops before any work naming it.
+    monkeypatch.undo()
+    resumed = new_trainer(cfg)
+    assert resumed.run() is True
+    resumed.close()
+    assert [p.name for p in ckpt.complete_checkpoints(cfg.output_dir)] == [f"step-{resumed.steps}"]
 
 
 @pytest.mark.slow

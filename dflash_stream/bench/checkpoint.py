@@ -93,7 +93,7 @@ def bench_checkpoint(args: argparse.Namespace) -> int:
                 steps += 1
                 time.sleep(POLL_SECONDS)
             started = time.perf_counter()
-            saved = writer.complete(agreed=True)
+            saved = writer.complete()
             runs.append({"stall_seconds": snapshot + time.perf_counter() - started,
                          "write_seconds": saved.write_seconds, "steps_during_write": steps})
             from safetensors import safe_open

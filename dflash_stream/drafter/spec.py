@@ -9,8 +9,17 @@ from pathlib import Path
 from typing import Any
 
 from dflash_stream.config import Config, ConfigError
+from dflash_stream.log import get_logger
 from dflash_stream.target_model.loading import load_tokenizer
-from dflash_stream.target_model.shape import FULL, SLIDING, TargetShape
+from dflash_stream.target_model.shape import (
+    FULL,
+    MLP_PER_HIDDEN,
+    SLIDING,
+    TargetShape,
+    default_intermediate_size,
+)
+
+log = get_logger(__name__)
 
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
@@ -211,7 +220,10 @@ def build_spec(cfg: Config, tc: TargetShape, layer_ids: list[int], tokenizer: An
             f"drafter.num_key_value_heads={kv_heads} must divide drafter.num_attention_heads={heads}"
         )
     head_dim = _first(d.head_dim, from_init("head_dim"), tc.head_dim) or hidden // heads
-    intermediate = _first(d.intermediate_size, from_init("intermediate_size"), tc.intermediate_size)
+    intermediate = _first(d.intermediate_size, from_init("intermediate_size"), default_intermediate_size(tc))
+    if intermediate != tc.intermediate_size and d.intermediate_size is None and init is None:
+        log.info("drafter MLP width %d (%d x hidden): the target has no dense MLP to copy (a MoE-only family); "
+                 "set drafter.intermediate_size to choose another", intermediate, MLP_PER_HIDDEN)
     layer_types = list(_first(d.layer_types, from_init("layer_types")) or [FULL] * d.num_layers)
     window = _first(d.sliding_window, from_init("sliding_window")) if SLIDING in layer_types else None
     vocab = tc.vocab_size

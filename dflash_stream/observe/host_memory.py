@@ -4,7 +4,8 @@ the CUDA context), counted from the buffers the code keeps at the configured siz
 - extractor: forward batches' captured states waiting to be packed (`extract.queue_size` queued, one being
   copied off the device and one being packed; on CUDA in pinned memory, which torch's host allocator keeps
   once allocated), the segment being filled (copies of its samples' states), and that segment's coded files,
-  encoded in memory before they are written; a replay of a kept store adds its reshuffle window.
+  encoded in memory before they are written; a replay of a kept store adds its reshuffle window; with
+  data.regenerate, the response cache's index of every answer (never the answers themselves).
 - trainer: decoded segments: `READER_PREFETCH` ready, one being decoded, and those whose samples wait in the
   token batcher. A queued sample's states are a view of its segment's decoded buffer, so one sample keeps its
   whole segment: HOLD_BATCHES + 1 batches' worth of queued tokens, plus one segment per length bucket for a
@@ -23,14 +24,17 @@ from dflash_stream.config import (
     REPLAY_WINDOW_BYTES,
     Config,
 )
+from dflash_stream.regenerate.cache import INDEX_BYTES_PER_ANSWER
 from dflash_stream.store import sizes
 from dflash_stream.units import fmt_bytes
 
 
-def host_memory(cfg: Config, width: int, ratio: float, checkpoint_bytes: float = 0) -> dict[str, Any]:
+def host_memory(cfg: Config, width: int, ratio: float, checkpoint_bytes: float = 0,
+                answers: int | None = None) -> dict[str, Any]:
     """Bytes of host RAM each role holds at most for hidden states, part by part; `width` = K*D, `ratio` the
     codec's compression (raw over stored); with train.async_checkpoint, trainer 0 also keeps a host snapshot of
-    one checkpoint (`checkpoint_bytes`) for the whole run, written in the background."""
+    one checkpoint (`checkpoint_bytes`) for the whole run, written in the background; with data.regenerate each
+    extractor holds the response cache's index of every one of the `answers` (the data's samples)."""
     per_token = sizes.raw_bytes_per_token(width)
     segment = sizes.max_segment_raw_bytes(int(cfg.store.segment_bytes), cfg.data.max_length, width)
     states_per_batch = cfg.extract.batch_tokens * (per_token - sizes.IDS_MASK_BYTES_PER_TOKEN)
@@ -38,6 +42,8 @@ def host_memory(cfg: Config, width: int, ratio: float, checkpoint_bytes: float =
                  "segment_being_filled": segment, "coded_segment": int(segment / ratio)}
     if cfg.extract.from_store and cfg.extraction_passes > 1:
         extractor["replay_window"] = REPLAY_WINDOW_BYTES
+    if cfg.data.regenerate and answers:
+        extractor["answers_index"] = answers * INDEX_BYTES_PER_ANSWER
     buckets = len(cfg.train.length_buckets) if cfg.train.length_buckets else MAX_LENGTH_BUCKETS
     queued = math.ceil((HOLD_BATCHES + 1) * cfg.train.batch_tokens * per_token / segment) + buckets
     trainer = {"decoded_ahead": (READER_PREFETCH + 1) * segment, "held_by_batcher": queued * segment}

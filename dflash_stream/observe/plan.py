@@ -207,7 +207,7 @@ def build_plan(cfg: Config, samples: int | None = None, mean_tokens: float | Non
         "epochs": _epoch_costs(cfg, time_plan, volume, tokens),
         "store_cores": store_cores(codec, width, time_plan, tune),
         "kernels": kernel_assumptions(shape, device_kind(cfg)),
-        "host_memory": host_memory(cfg, width, ratio, time_plan["checkpoints"]["bytes"]),
+        "host_memory": host_memory(cfg, width, ratio, time_plan["checkpoints"]["bytes"], n_samples),
         "warnings": warnings,
     }
 

@@ -2,8 +2,8 @@
 two-column table, printed at the end of `run` and by `status`.
 
 Every rank of a `run` writes its own part (summary-parts/<role>-<index>.json) when it finishes; trainer 0 merges
-them. The roles do not finish together: an extractor lingers to re-extract damaged segments until trainer 0's part
-exists, so it finishes after the trainer. The merge therefore waits for every expected part, and a part that never
+them. The roles do not finish together: an extractor lingers to re-extract damaged segments until trainer 0 says
+training is over (OUTPUT/training-over.json, naming its launch), so it finishes after the trainer. The merge therefore waits for every expected part, and a part that never
 came is named in `missing_parts`, never silently counted as zero.
 """
 

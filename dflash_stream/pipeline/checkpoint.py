@@ -24,16 +24,43 @@ import torch
 from dflash_stream.diskfull import retry_when_full
 from dflash_stream.errors import DFlashError
 from dflash_stream.rundir import COMPLETE, RunDir, checkpoint_step, fsync, write_atomic
+from dflash_stream.store.budget import du
 
-__all__ = ["COMPLETE", "SHARED_STATE", "begin", "checkpoint_step", "complete_checkpoints", "drop_ledger_after",
-           "latest_checkpoint", "ledger_dir", "load", "load_torch", "optimizer_state", "prune", "publish", "rank_state_file", "Saved",
-           "save", "save_torch", "write_ledger", "write_part", "writing", "WRITE_DELAY_ENV"]
+__all__ = ["COMPLETE", "SHARED_STATE", "CheckpointFailed", "FileNotWritten", "begin", "checkpoint_step",
+           "complete_checkpoints", "drop_ledger_after", "latest_checkpoint", "ledger_dir", "load", "load_torch",
+           "naming_file", "optimizer_state", "prune", "publish", "rank_state_file", "Saved", "save_torch",
+           "write_ledger", "write_part", "writing", "WRITE_DELAY_ENV"]
 
 SHARED_STATE = "trainer_state.pt"
 """Optimizer, scheduler and the step's counters, written by rank 0."""
 WRITE_DELAY_ENV = "DFLASH_STREAM_TEST_CHECKPOINT_WRITE_DELAY"
 """Test hook: seconds each rank's checkpoint write pauses half-way (its own file written, the shared ones not), so
 a test can kill a process while a checkpoint is being written."""
+
+
+
+class FileNotWritten(DFlashError):
+    """A file of a checkpoint that could not be written or deleted: its path and the error, in one line."""
+
+
+class CheckpointFailed(DFlashError):
+    """A trainer rank could not write its part of a checkpoint (or publish it, or delete an old one): the
+    checkpoint is not published and every trainer stops with this one line."""
+
+
+@contextmanager
+def naming_file(path: Path, doing: str = "write") -> Iterator[None]:
+    """Re-raise any error of the block as FileNotWritten naming `path` (a write's EIO carries no file name); a
+    DFlashError (a disk that stayed full) already says what it was writing, in words."""
+    try:
+        yield
+    except FileNotWritten:
+        raise
+    except DFlashError as err:
+        raise FileNotWritten(str(err)) from err
+    except Exception as err:
+        raise FileNotWritten(f"could not {doing} {path}: {type(err).__name__}: {err}") from err
+
 
 _in_flight: set[Path] = set()
 _in_flight_lock = threading.Lock()
@@ -169,14 +196,19 @@ def prune(output_dir: str | Path, keep: int) -> None:
 
 
 def _prune(run: RunDir, keep: int) -> None:
-    """Keep the newest `keep` complete checkpoints; drop older ones and abandoned partial folders below them."""
+    """Keep the newest `keep` complete checkpoints; drop older ones and abandoned partial folders below them.
+    A folder that cannot be deleted (an NFS server refusing an rmtree) raises FileNotWritten naming it and what it
+    still holds on disk: not a line printed by a thread and forgotten while the disk fills."""
     complete = run.complete_checkpoints()
-    for old in complete[:-keep]:
-        shutil.rmtree(old)
     oldest_kept = checkpoint_step(complete[-keep]) if len(complete) >= keep else 0
-    for step, path in _abandoned(run.incomplete_checkpoints()):
-        if step < oldest_kept:
+    doomed = complete[:-keep] + [path for step, path in _abandoned(run.incomplete_checkpoints()) if step < oldest_kept]
+    for path in doomed:
+        try:
             shutil.rmtree(path)
+        except OSError as err:
+            left = du(path) if path.exists() else 0
+            raise FileNotWritten(f"could not delete the old checkpoint {path} ({left:,} bytes still on disk): "
+                                 f"{type(err).__name__}: {err}") from err
 
 
 class Saved(NamedTuple):
@@ -190,28 +222,6 @@ class Saved(NamedTuple):
     """Size of the checkpoint folder (what every checkpoint writes; `plan` sizes it ahead)."""
 
 
-def save(output_dir: str | Path, step: int, rank: int, *, rank_state: dict[str, Any],
-         ledger: list[dict[str, Any]], write_shared: Callable[[Path], None] | None,
-         barrier: Callable[[], None], keep: int = 2) -> Saved:
-    """Checkpoint `step`, collective over the trainers (`barrier` syncs them): rank 0 stages the folder,
-    every rank writes its ledger and its `trainer-<rank>.pt`, rank 0 also the shared files
-    (`write_shared(staging)`), and once all are written rank 0 publishes it."""
-    started = time.perf_counter()
-    if rank == 0:
-        begin(output_dir, step)
-    written = time.perf_counter() - started
-    barrier()
-    written += write_part(output_dir, step, rank, rank_state=rank_state, ledger=ledger, write_shared=write_shared)
-    barrier()
-    started = time.perf_counter()
-    if rank == 0:
-        publish(output_dir, step, keep)
-    written += time.perf_counter() - started
-    barrier()
-    final = RunDir(output_dir).checkpoint(step)
-    return Saved(final, written, sum(f.stat().st_size for f in final.iterdir() if f.is_file()))
-
-
 def write_part(output_dir: str | Path, step: int, rank: int, *, rank_state: dict[str, Any],
                ledger: list[dict[str, Any]], write_shared: Callable[[Path], None] | None) -> float:
     """This rank's share of checkpoint `step`, durable on return, into the staging folder rank 0's `begin` made:
@@ -219,18 +229,22 @@ def write_part(output_dir: str | Path, step: int, rank: int, *, rank_state: dict
     fsynced here, so that `publish` (on the training thread, when the write ran in the background) only renames
     and marks."""
     started = time.perf_counter()
-    staging = RunDir(output_dir).staging(step)
-    write_ledger(output_dir, rank, step, ledger)
-    save_torch(rank_state, staging / rank_state_file(rank))
+    run = RunDir(output_dir)
+    staging = run.staging(step)
+    with naming_file(run.ledger_file(rank, step)):
+        write_ledger(output_dir, rank, step, ledger)
+    with naming_file(staging / rank_state_file(rank)):
+        save_torch(rank_state, staging / rank_state_file(rank))
     delay = float(os.environ.get(WRITE_DELAY_ENV, 0))
     if delay:
         time.sleep(delay)
     if write_shared is not None:
         before = {item.name for item in staging.iterdir()}
-        write_shared(staging)
+        write_shared(staging)  # names its own files
         for item in staging.iterdir():
             if item.name not in before:
-                fsync(item)
+                with naming_file(item):
+                    fsync(item)
     return time.perf_counter() - started
 
 

@@ -9,10 +9,17 @@ The background protocol keeps every collective on the training thread:
 
 1. `start` (every rank at the same step): rank 0 makes the staging folder, a barrier, then each rank copies its
    state to host memory and a thread writes its part (`checkpoint.write_part`, each file fsynced).
-2. At later step boundaries the ranks learn from the step's all-reduce whether every part is written (`written`
-   is this rank's vote). Then `complete(agreed=True)`: rank 0 publishes (rename, COMPLETE, fsync), a barrier,
-   and the caller releases. `complete()` without agreement waits for this rank's part and barriers first: what
-   the next checkpoint, and the end of training, do (at most one background write at a time).
+2. At later step boundaries the ranks learn from the step's all-reduce whether every part's write has ended
+   (`written` is this rank's vote: done, well or not). Then `complete()`: the ranks agree on how their writes
+   ended (`agree`, an all-gather of each rank's failure line), rank 0 publishes (rename, COMPLETE, fsync) only
+   when none failed, a barrier, and the caller releases. The next checkpoint, and the end of training, call
+   `complete()` without waiting for the vote: each rank first waits for its own write (at most one background
+   write at a time).
+
+A write that fails on any rank (EIO, ESTALE, a disk still full after its wait) is never published: every rank
+raises CheckpointFailed with the same one line naming the rank, the file and the error, and the next launch
+resumes from the previous checkpoint. Creating the staging folder, publishing and deleting old checkpoints
+(`prune`, in a thread after a background publish) report their failures the same way at the next agreement.
 
 A crash while a part is being written leaves a staging folder without COMPLETE: the previous complete checkpoint
 is what a resume loads, and the ledger files of the unfinished one are dropped then (`drop_ledger_after`).
@@ -30,7 +37,7 @@ import numpy as np
 import torch
 
 from dflash_stream.diskfull import retry_when_full
-from dflash_stream.drafter.export import save_checkpoint_weights
+from dflash_stream.drafter.export import WEIGHTS, save_checkpoint_weights
 from dflash_stream.drafter.spec import DrafterSpec
 from dflash_stream.pipeline import checkpoint as ckpt
 from dflash_stream.rundir import RunDir
@@ -110,46 +117,122 @@ class BackgroundWrite:
         except BaseException as err:  # handed to the training thread by `wait`
             self.error = err
         finally:
-            self._done.set()
+            self._done.set()  # ended, well or not: `wait` tells which
 
     @property
     def done(self) -> bool:
         return self._done.is_set()
 
-    def wait(self) -> float:
-        """Block until the part is written; its write seconds. Re-raises what the thread raised."""
+    def wait(self) -> str | None:
+        """Block until the write ended; None when the part is written, else what failed, in words."""
         self._thread.join()
-        if self.error is not None:
-            raise self.error
-        return self.seconds
+        return None if self.error is None else _failure(self.error, f"write its part in {self.staging}")
+
+
+def _failure(err: BaseException, doing: str) -> str:
+    """What went wrong on this rank, as the clause of CheckpointFailed's line (FileNotWritten names its file)."""
+    return str(err) if isinstance(err, ckpt.FileNotWritten) else f"could not {doing}: {type(err).__name__}: {err}"
 
 
 class CheckpointWriter:
     """One rank's checkpoint writes, the old way (`save`) or the background way (`start` ... `complete`).
-    `barrier` syncs the trainer ranks (a no-op for one trainer)."""
+    `barrier` syncs the trainer ranks; `agree` all-gathers each rank's failure line (None: all went well), so
+    that a failure on any rank stops every rank at the same point with the same line (both no-ops for one
+    trainer)."""
 
     def __init__(self, output_dir: str | Path, rank: int, spec: DrafterSpec, *, barrier: Callable[[], None],
-                 keep: int = 2) -> None:
+                 agree: Callable[[str | None], list[str | None]] | None = None, keep: int = 2) -> None:
         self.run = RunDir(output_dir)
         self.rank, self.spec, self.barrier, self.keep = rank, spec, barrier, keep
+        self.agree = agree or (lambda failure: [failure])
         self.host = HostSnapshot()
         self.pending: BackgroundWrite | None = None
         self.pending_step: int | None = None
         self._pruning: threading.Thread | None = None
+        self._prune_failure: str | None = None
 
     def _write_shared(self, shared: SharedState) -> Callable[[Path], None]:
         def write(staging: Path) -> None:
-            retry_when_full(f"checkpoint model in {staging}", staging,
-                            lambda: save_checkpoint_weights(shared["weights"], self.spec, staging))
-            ckpt.save_torch(shared["trainer_state"], staging / ckpt.SHARED_STATE)
+            with ckpt.naming_file(staging / WEIGHTS):
+                retry_when_full(f"checkpoint model in {staging}", staging,
+                                lambda: save_checkpoint_weights(shared["weights"], self.spec, staging))
+            with ckpt.naming_file(staging / ckpt.SHARED_STATE):
+                ckpt.save_torch(shared["trainer_state"], staging / ckpt.SHARED_STATE)
         return write
+
+    def _agreed(self, step: int, failure: str | None, what: str) -> None:
+        """Collective: raise CheckpointFailed, with the same line on every rank, when any rank's `failure` (what
+        went wrong on it) is set; `what` says what that means for checkpoint `step`."""
+        mine = f"{what}: trainer rank {self.rank}: {failure}" if failure else None
+        failures = [f for f in self.agree(mine) if f]
+        if failures:
+            latest = self.run.latest_checkpoint()
+            others = f" (and on {len(failures) - 1} other rank(s))" if len(failures) > 1 else ""
+            again = "" if "run the same command again" in failures[0] else " (run the same command again)"
+            raise ckpt.CheckpointFailed(
+                f"checkpoint step-{step} {failures[0]}{others}; the next launch resumes from "
+                f"{latest.name if latest is not None else 'the start'}{again}")
+
+    def _begin(self, step: int) -> None:
+        """Rank 0 stages the folder once older checkpoints are deleted; every rank learns of a failure of either."""
+        failure = self.settle(collective=False)
+        if self.rank == 0 and failure is None:
+            try:
+                ckpt.begin(self.run.root, step)
+            except Exception as err:
+                failure = _failure(err, f"create {self.run.staging(step)}")
+        self._agreed(step, failure, "was not started")
+
+    def _publish(self, step: int, background: bool) -> float:
+        """Rank 0 publishes (and, written synchronously, prunes); every rank learns of a failure. Seconds spent."""
+        started = time.perf_counter()
+        failure, what = None, "was not published"
+        if self.rank == 0:
+            try:
+                ckpt.publish(self.run.root, step, self.keep, prune=False)
+            except Exception as err:
+                failure = _failure(err, f"publish {self.run.staging(step)}")
+            if failure is None and background:
+                # Older checkpoints are deleted off the training thread; the next `start` waits for it, so disk
+                # holds at most keep complete checkpoints + the one being written, as with synchronous writes.
+                self._pruning = threading.Thread(target=self._prune, name="checkpoint-prune", daemon=True)
+                self._pruning.start()
+            elif failure is None:
+                self._prune()
+                failure, self._prune_failure = self._prune_failure, None
+                what = "is published but older ones could not be deleted"
+        seconds = time.perf_counter() - started
+        self._agreed(step, failure, what)
+        return seconds
+
+    def _prune(self) -> None:
+        try:
+            ckpt.prune(self.run.root, self.keep)
+        except Exception as err:  # reported at the next agreement, by `settle`
+            self._prune_failure = _failure(err, f"delete old checkpoints in {self.run.checkpoints}")
+
+    def _saved(self, step: int, seconds: float) -> ckpt.Saved:
+        final = self.run.checkpoint(step)
+        return ckpt.Saved(final, seconds, sum(f.stat().st_size for f in final.iterdir() if f.is_file()))
 
     def save(self, step: int, *, rank_state: dict[str, Any], ledger: list[dict[str, Any]],
              shared: Callable[[], SharedState] | None) -> ckpt.Saved:
-        """Write checkpoint `step` and return once it is durable (collective). `shared`: rank 0's state."""
-        return ckpt.save(self.run.root, step, self.rank, rank_state=rank_state, ledger=ledger,
-                         write_shared=self._write_shared(shared()) if shared is not None else None,
-                         barrier=self.barrier, keep=self.keep)
+        """Write checkpoint `step` and return once it is durable (collective). `shared`: rank 0's state. Rank 0
+        stages the folder, every rank writes its ledger and its `trainer-<rank>.pt`, rank 0 also the shared
+        files, and once every rank's part is written rank 0 publishes it."""
+        started = time.perf_counter()
+        self._begin(step)
+        seconds = time.perf_counter() - started
+        failure = None
+        try:
+            seconds += ckpt.write_part(self.run.root, step, self.rank, rank_state=rank_state, ledger=ledger,
+                                       write_shared=self._write_shared(shared()) if shared is not None else None)
+        except Exception as err:
+            failure = _failure(err, f"write its part in {self.run.staging(step)}")
+        self._agreed(step, failure, "was not published")
+        seconds += self._publish(step, background=False)
+        self.barrier()  # COMPLETE is durable before any rank releases what the checkpoint records
+        return self._saved(step, seconds)
 
     def start(self, step: int, *, rank_state: dict[str, Any], ledger: list[dict[str, Any]],
               shared: Callable[[], SharedState] | None) -> None:
@@ -157,10 +240,7 @@ class CheckpointWriter:
         `rank_state` and `ledger` must be copies the caller no longer changes."""
         if self.pending is not None:
             raise RuntimeError(f"checkpoint step-{self.pending_step} is still being written; complete it first")
-        self.settle()  # `begin` below must not race the deletion of older checkpoints
-        if self.rank == 0:
-            ckpt.begin(self.run.root, step)
-        self.barrier()  # the staging folder exists before any rank writes into it
+        self._begin(step)  # the staging folder exists before any rank writes into it
         write_shared = self._write_shared(self.host.copy(shared())) if shared is not None else None
 
         def write() -> float:
@@ -171,35 +251,33 @@ class CheckpointWriter:
 
     @property
     def written(self) -> bool:
-        """This rank's vote: its part of the pending checkpoint is written (or nothing is pending)."""
+        """This rank's vote: the write of its part of the pending checkpoint ended, well or not (or nothing is
+        pending); `complete` tells the ranks which."""
         return self.pending is None or self.pending.done
 
-    def complete(self, agreed: bool = False) -> ckpt.Saved:
-        """Make the pending checkpoint durable (collective; every rank calls it at the same step). `agreed`: the
-        ranks already know every part is written; otherwise wait for this rank's part, then for the others."""
+    def complete(self) -> ckpt.Saved:
+        """Make the pending checkpoint durable (collective; every rank calls it at the same step, after the
+        step's all-reduce said every write ended, or waiting here for its own). Raises CheckpointFailed on every
+        rank, publishing nothing, when any rank's part failed."""
         if self.pending is None or self.pending_step is None:
             raise RuntimeError("no checkpoint is being written")
         pending, step = self.pending, self.pending_step
-        seconds = pending.wait()
-        if not agreed:
-            self.barrier()
+        failure = pending.wait()
         self.pending = self.pending_step = None
-        started = time.perf_counter()
-        if self.rank == 0:
-            ckpt.publish(self.run.root, step, self.keep, prune=False)
-            # Older checkpoints are deleted off the training thread; the next `start` waits for it, so disk
-            # holds at most keep complete checkpoints + the one being written, as with synchronous writes.
-            self._pruning = threading.Thread(target=ckpt.prune, args=(self.run.root, self.keep),
-                                             name="checkpoint-prune", daemon=True)
-            self._pruning.start()
-        seconds += time.perf_counter() - started
+        self._agreed(step, failure, "was not published")
+        seconds = pending.seconds + self._publish(step, background=True)
         self.barrier()  # COMPLETE is durable before any rank releases what the checkpoint records
-        final = self.run.checkpoint(step)
-        return ckpt.Saved(final, seconds, sum(f.stat().st_size for f in final.iterdir() if f.is_file()))
+        return self._saved(step, seconds)
 
-    def settle(self) -> None:
+    def settle(self, collective: bool = True) -> str | None:
         """Wait for the deletion of older checkpoints (if any) to end: before the next checkpoint, and before
-        training returns."""
+        training returns. `collective`: every rank learns of its failure and raises CheckpointFailed; otherwise
+        the failure line is returned for the caller's own agreement."""
         if self._pruning is not None:
             self._pruning.join()
             self._pruning = None
+        failure, self._prune_failure = self._prune_failure, None
+        if collective:
+            latest = self.run.latest_checkpoint()
+            self._agreed(ckpt.checkpoint_step(latest), failure, "is published but older ones could not be deleted")
+        return failure

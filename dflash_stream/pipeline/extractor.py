@@ -27,7 +27,6 @@ from dflash_stream.errors import DFlashError
 from dflash_stream.log import get_logger, progress, setup_logging
 from dflash_stream.observe.metrics import MetricsWriter
 from dflash_stream.pipeline.common import (
-    data_spec_digest,
     log_store_event,
     open_store,
     pass_order,
@@ -40,9 +39,9 @@ from dflash_stream.pipeline.packing import SegmentPacker
 from dflash_stream.pipeline.replay import StoreReplay
 from dflash_stream.pipeline.roles import RoleInfo, assign_uniform
 from dflash_stream.preflight import check_run_paths
-from dflash_stream.regenerate.cache import ResponseCache
+from dflash_stream.regenerate.cache import ResponseCache, answers_key, describe_other_caches
 from dflash_stream.regenerate.phase import ServerRegenerator, summary_lines
-from dflash_stream.store import Sample, Store, StoreFull, lease, sizes
+from dflash_stream.store import Sample, Store, StoreFull, WriterStopped, lease, sizes
 from dflash_stream.target_model import (
     load_target,
     model_shape,
@@ -154,14 +153,20 @@ class Extractor:
         # A CPU run's extractors take the trainers' cores while the store holds nothing for them to train.
         self._cores = HostCores(device, peers=role.count)
         self.samples, self.report = prepare_shard(cfg, self.tokenizer, role.index, role.count)
-        self.cache = ResponseCache(cfg.output_dir, data_spec_digest(cfg), role.index) if cfg.data.regenerate else None
+        self.cache: ResponseCache | None = None
         self._server: ServerRegenerator | None = None
-        if self.cache is not None and cfg.data.generation.engine == "openai":
-            # The extractors share data.generation.concurrency: each keeps its part of it in flight.
-            self._server = ServerRegenerator(cfg, self.tokenizer, self.cache,
-                                             stop_token_ids(self.model, self.tokenizer),
-                                             concurrency=math.ceil(cfg.data.generation.concurrency / role.count),
-                                             on_progress=lambda figures: metrics.log("regenerate", **figures))
+        if cfg.data.regenerate:
+            stop_ids = stop_token_ids(self.model, self.tokenizer)
+            key = answers_key(cfg, self.tokenizer, stop_ids)
+            self.cache = ResponseCache(cfg.output_dir, key, role.index)
+            other = describe_other_caches(cfg.output_dir, key) if role.index == 0 else None
+            if other:
+                log.warning("%s", other)
+            if cfg.data.generation.engine == "openai":
+                # The extractors share data.generation.concurrency: each keeps its part of it in flight.
+                self._server = ServerRegenerator(cfg, self.tokenizer, self.cache, stop_ids,
+                                                 concurrency=math.ceil(cfg.data.generation.concurrency / role.count),
+                                                 on_progress=lambda figures: metrics.log("regenerate", **figures))
         self._dropped: dict[int, tuple[str, str]] = {}
         width = len(self.layer_ids) * shape.hidden_size
         self.bytes_per_token = sizes.raw_bytes_per_token(width)
@@ -207,8 +212,8 @@ class Extractor:
             self.extract_seconds += time.perf_counter() - self._run_started
         if not finished:
             return False
+        self._finish_report()  # before the end of data: a trainer that finds nothing to train reads it
         self.writer.finish()
-        self._finish_report()
         self._log_progress(self.extract_seconds)  # the final count, also when the last samples dropped out
         self._bar.close()
         if self._regen_bar is not None:
@@ -390,13 +395,16 @@ class Extractor:
     def _respond(self, prompts: list[PreparedSample]) -> list[PreparedSample]:
         """Prompts completed with the target's own (cached or newly generated) responses; short ones dropped."""
         gen, max_length = self.cfg.data.generation, self.cfg.data.max_length
-        missing = sorted((s for s in prompts if self.cache.get(s.sample_id) is None), key=lambda s: s.num_tokens)
+        self.cache.refresh()  # another writer's earlier answer to one of these is the one to take
+        missing = sorted((s for s in prompts if s.sample_id not in self.cache), key=lambda s: s.num_tokens)
         if self._server is not None:
-            self._server.wait([s.sample_id for s in missing])
+            if not self._server.wait([s.sample_id for s in missing], self.writer.stop_when):
+                raise WriterStopped(f"writer {self.writer.id} stopped waiting for the servers' answers: it was told "
+                                    "to stop")
             missing = []
         if missing and self._regen_bar is None:
             # Its own bar: generating is usually slower than the forward pass that captures the states.
-            todo = sum(1 for s in self.samples if self.cache.get(s.sample_id) is None)
+            todo = sum(1 for s in self.samples if s.sample_id not in self.cache)
             self._regen_bar = progress(total=todo, unit="sample", desc="regenerate")
         for first in range(0, len(missing), gen.batch_size):
             chunk = missing[first : first + gen.batch_size]

@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import json
 import time
+import uuid
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -28,12 +30,13 @@ from dflash_stream.observe.summary import (
     role_figures,
     summary_table,
 )
+from dflash_stream.pipeline import checkpoint as ckpt
 from dflash_stream.pipeline.common import open_store, save_resolved_config, store_layout
 from dflash_stream.pipeline.guard import hold_output, stop_with_launcher
 from dflash_stream.pipeline.roles import RoleInfo, assign_role, init_distributed, resolve_launch
 from dflash_stream.preflight import check_run_paths
 from dflash_stream.rundir import RunDir, write_atomic
-from dflash_stream.store import lease
+from dflash_stream.store import WriterStopped, lease
 from dflash_stream.target_model import resolve_device
 from dflash_stream.units import fmt_duration
 
@@ -47,17 +50,23 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def _first_rank_opens_store(cfg: Config, role: RoleInfo, layer_ids: list[int], hidden_size: int):
     """Rank 0 takes the output directory, then creates or recovers the store before anyone else touches it; its
-    error (a live run holds them, a bad store) stops every rank."""
-    error: list[str | None] = [None]
+    error (a live run holds them, a bad store) stops every rank. Returns (store, this launch's id): rank 0 draws
+    it and clears an earlier launch's "training is over" marker first."""
+    shared: list[str | None] = [None, None]  # rank 0's error, the launch id
     store = None
     if role.global_rank == 0:
         single = role.role == "single"
         try:
             hold_output(cfg, ("extract", "train"))
+            RunDir(cfg.output_dir).training_over.unlink(missing_ok=True)
+            shared[1] = uuid.uuid4().hex
             save_resolved_config(cfg)
             from dflash_stream.sizing.disk import check_run_disk
             from dflash_stream.target_model import target_shape
 
+            # Old checkpoints an earlier launch could not delete go first: the disk check below counts this
+            # run's files as free, and one that cannot be deleted stops the run here, naming it.
+            ckpt.prune(cfg.output_dir, cfg.train.keep_checkpoints)
             # The whole footprint (store budget, checkpoints, export, data, metrics) against the free disk.
             check_run_disk(cfg, target_shape(cfg.target, download=True, hints=False, count=False), layer_ids)
             store = open_store(cfg, layer_ids, hidden_size)
@@ -69,17 +78,33 @@ def _first_rank_opens_store(cfg: Config, role: RoleInfo, layer_ids: list[int], h
             store.set_expected_writers(1 if single else role.world_size - cfg.roles.trainers)
         except DFlashError as err:  # every rank must learn of it, or the others wait forever
             lease.release_all()
-            error[0] = str(err)
+            shared[0] = str(err)
     if role.world_size > 1:
-        dist.broadcast_object_list(error, src=0)
-    if error[0] is not None:
-        raise DFlashError(error[0])
-    return store if store is not None else open_store(cfg, layer_ids, hidden_size, create=False)
+        dist.broadcast_object_list(shared, src=0)
+    error, launch = shared
+    if error is not None:
+        raise DFlashError(error)
+    return (store if store is not None else open_store(cfg, layer_ids, hidden_size, create=False)), launch
+
+
+def training_is_over(cfg: Config, launch: str) -> bool:
+    """Trainer 0 of launch `launch` said training is over (a marker of an earlier launch does not count)."""
+    try:
+        return json.loads(RunDir(cfg.output_dir).training_over.read_text()).get("launch") == launch
+    except (OSError, ValueError):
+        return False
+
+
+def _say_training_is_over(cfg: Config, launch: str, trainer) -> None:
+    """Trainer 0: the extractors of this launch may leave now, blocked on a full buffer or not (train.max_steps
+    stops training with data still coming), before the export and eval that follow."""
+    write_atomic(RunDir(cfg.output_dir).training_over, json.dumps({"launch": launch, "step": trainer.steps}))
 
 
 SUMMARY_WAIT_S = 300.0
 """How long trainer 0 waits for the other ranks' summary parts. An extractor leaves within a second of trainer 0's
-part appearing (it polls for it between re-extractions), so this only runs out when a rank died or hangs."""
+"training is over" marker (it looks for it between re-extractions and while a write waits for room), so this
+only runs out when a rank died or hangs."""
 
 
 def _write_summary_part(output: Path, role: RoleInfo, fields: dict[str, Any]) -> None:
@@ -220,22 +245,33 @@ def run_single(cfg: Config, role: RoleInfo, store, metrics: MetricsWriter, devic
     return ({**fields, **_finish_training(cfg, role, trainer)} if finished else fields), finished
 
 
-def run_role(cfg: Config, role: RoleInfo, store, metrics: MetricsWriter, device: torch.device) -> tuple[dict, bool]:
-    """(summary fields, finished): False when a trainer was stopped by a signal after its checkpoint."""
+def run_role(cfg: Config, role: RoleInfo, store, metrics: MetricsWriter, device: torch.device, launch: str
+             ) -> tuple[dict, bool]:
+    """(summary fields, finished): False when a trainer was stopped by a signal after its checkpoint. `launch`:
+    this launch's id, which trainer 0's "training is over" marker names."""
     if role.role == "extractor":
         from dflash_stream.pipeline.extractor import make_extractor
 
+        over = partial(training_is_over, cfg, launch)
         with store.heartbeat(f"extractor-{role.index}"):  # from before the target loads
             extractor = make_extractor(cfg, role, store, metrics, device)
-            extractor.run()
-            # Stay to extract again what a trainer finds damaged, until training is over.
-            extractor.serve_redo(lambda: RunDir(cfg.output_dir).summary_part("trainer", 0).exists())
+            extractor.writer.stop_when = over  # a write waiting for room ends when training is over
+            try:
+                extractor.run()
+                # Stay to extract again what a trainer finds damaged, until training is over.
+                extractor.serve_redo(over)
+            except WriterStopped:
+                if not over():
+                    raise
+                log.info("training is over: extractor %d leaves with part of its data not extracted", role.index)
         return _extractor_fields(extractor), True
     from dflash_stream.pipeline.trainer import Trainer
 
     trainer = Trainer(cfg, role, store, metrics, device)
     if not trainer.run():
         return _trainer_fields(trainer), False
+    if role.index == 0:
+        _say_training_is_over(cfg, launch, trainer)
     return {**_trainer_fields(trainer), **_finish_training(cfg, role, trainer)}, True
 
 
@@ -260,21 +296,31 @@ def run_command(args: argparse.Namespace) -> int:
             role.world_size, "single-process" if role.role == "single" else f"{role.count} {role.role}(s) here",
             layer_ids, cfg.store.path, cfg.store.budget.human_readable(), cfg.store.codec,
         )
-    store = _first_rank_opens_store(cfg, role, layer_ids, hidden_size)
+    store, launch = _first_rank_opens_store(cfg, role, layer_ids, hidden_size)
     metrics = (
         TrainingTracker(output, role.role, role.index, tensorboard=cfg.metrics.tensorboard)
         if role.role in ("trainer", "single") else MetricsWriter(output, role.role, role.index)
     )
     metrics.log("start", config=cfg.model_dump(mode="json"))
     try:
-        fields, finished = (run_single if role.role == "single" else run_role)(cfg, role, store, metrics, device)
+        if role.role == "single":
+            fields, finished = run_single(cfg, role, store, metrics, device)
+        else:
+            fields, finished = run_role(cfg, role, store, metrics, device, launch)
         if not finished:
             log.info("stopped by a signal after a durable checkpoint; run the same command again to resume")
             return 143
         _write_summary_part(output, role, {"role": role.role, "index": role.index, **fields})
+        status = 0
         if role.role in ("single", "trainer") and role.index == 0:
             summary = write_summary(cfg, store, started, expected_parts(cfg, role))
             metrics.log("end", summary=summary)
+            unanswered = (summary.get("regenerate") or {}).get("errors", 0)
+            if unanswered:  # the launch's last word, once every rank's part is in: the exit status says it
+                log.error("regeneration is incomplete: %d sample(s) got no answer from the servers (each named "
+                          "above); the drafter trained without them; run the same command again to ask for them",
+                          unanswered)
+                status = 1
         else:
             _complete_summary(cfg)
     finally:
@@ -282,7 +328,7 @@ def run_command(args: argparse.Namespace) -> int:
         lease.release_all()
     if dist.is_initialized():
         dist.destroy_process_group()
-    return 0
+    return status
 
 
 def _check_memory(cfg: Config, role: RoleInfo, device: torch.device) -> None:

@@ -149,7 +149,7 @@ class Trainer:
         self.checkpoint_write_seconds = 0.0  # this rank's writing and syncing (in the background: not a stall)
         self.async_checkpoint = tc.async_checkpoint
         self.writer = CheckpointWriter(self.run_dir.root, self.index, self.spec, barrier=self._barrier,
-                                       keep=tc.keep_checkpoints)
+                                       agree=self._gather, keep=tc.keep_checkpoints)
         self._pending: _Pending | None = None
         self.data_wait_seconds = 0.0
         self._last_checkpoint_step = 0
@@ -181,7 +181,9 @@ class Trainer:
             self.position.load_state_dict(DataPosition.EMPTY, step)
             return
         shared, part = ckpt.load(path, self.index, self.trainers)
-        self.drafter.load_state_dict(load_file(path / WEIGHTS, device=str(self.device)))
+        # safetensors takes `cpu`, not the `cpu:0` a multi-process CPU launch gives each rank.
+        self.drafter.load_state_dict(load_file(path / WEIGHTS, device=str(self.device) if self.device.type != "cpu"
+                                               else "cpu"))
         self.optimizer.load_state_dict(shared["optimizer"])
         self.scheduler.load_state_dict(shared["scheduler"])
         self.steps = self._last_checkpoint_step = shared["step"]
@@ -254,15 +256,15 @@ class Trainer:
         """Wait until the background checkpoint (if any) is written on every rank, then complete it; the wait is
         training standing still (collective)."""
         if self._pending is not None:
-            self._complete(agreed=False)
+            self._complete()
 
-    def _complete(self, agreed: bool) -> None:
+    def _complete(self) -> None:
         """Publish the background checkpoint and release what it records as finished (collective; every rank at
-        the same step). `agreed`: this step's all-reduce said every rank's part is written."""
+        the same step). A write that failed on any rank stops every rank with CheckpointFailed instead."""
         pending, self._pending = self._pending, None
         assert pending is not None
         started = time.perf_counter()
-        saved = self.writer.complete(agreed)
+        saved = self.writer.complete()
         released = self.position.release(pending.finished)
         stall = pending.stall + time.perf_counter() - started
         self._checkpoint_done(pending.step, pending.reason, saved, released, stall, background=True)
@@ -319,13 +321,15 @@ class Trainer:
                 # A background checkpoint every rank has written becomes durable here, at the same step everywhere.
                 completed = self._pending is not None and flags["written"]
                 if completed:
-                    self._complete(agreed=True)
+                    self._complete()
                 # Release on use: the uses this step finished leave the store now, their last samples in the update.
                 released = self.position.release_used(self.steps) if self.release_on_use else 0
                 self.released_uses += released
 
                 # Stop, at the end of the data or on a signal.
                 if flags["all_exhausted"]:
+                    if self.steps == 0:
+                        raise DFlashError(self._nothing_to_train())
                     self._checkpoint("end of data", wait=True)
                     self._finish_report()
                     return True
@@ -414,7 +418,7 @@ class Trainer:
             micro == 0 and not exhausted,
             tokens,
             samples,
-            self.writer.written,
+            self.writer.written,  # ended, well or not: `complete` learns which on every rank
             self._checkpoint_due(),
         ]
         vec = torch.tensor(flags + self.stats.pending(), dtype=torch.float64, device=self.device)
@@ -427,7 +431,7 @@ class Trainer:
             # Checkpointing for blocked extractors pays only once it frees a real share of the buffer.
             "holding_much": holding >= int(self.cfg.store.budget) * HOLDING_SHARE, "starved": starved > 0,
             "tokens": int(tokens), "samples": int(samples),
-            "written": written == self.trainers,  # every rank's part of the background checkpoint is on disk
+            "written": written == self.trainers,  # every rank's write of the background checkpoint ended
             "clock": clock > 0,  # train.checkpoint_every_s has passed on some rank's clock
         }
 
@@ -460,6 +464,14 @@ class Trainer:
     def _barrier(self) -> None:
         if self.group is not None:
             dist.barrier(group=self.group)
+
+    def _gather(self, item: Any) -> list[Any]:
+        """Every trainer rank's `item`, in rank order (collective)."""
+        if self.group is None:
+            return [item]
+        items: list[Any] = [None] * self.trainers
+        dist.all_gather_object(items, item, group=self.group)
+        return items
 
     # ---------------------------------------------------------------- data
 
@@ -511,6 +523,18 @@ class Trainer:
         started = time.perf_counter()
         self._take_segment(timeout=WAIT_POLL_SECONDS)
         self.data_wait_seconds += time.perf_counter() - started
+
+    def _nothing_to_train(self) -> str:
+        """The line a run whose data ended before its first step stops with (no untrained drafter exported)."""
+        skipped: dict[str, int] = {}
+        for path in self.run_dir.data_reports():
+            for reason, n in json.loads(path.read_text()).get("skipped", {}).items():
+                skipped[reason] = skipped.get(reason, 0) + n
+        why = ", ".join(f"{reason} {n:,}" for reason, n in sorted(skipped.items(), key=lambda r: -r[1]))
+        return ("nothing to train: the extractors stored no sample" + (f" (skipped: {why})" if why else "")
+                + f"; no drafter is exported. See {self.run_dir.data}/report-*.json"
+                + (" and the extractors' regeneration lines (no_answer: the servers gave none)"
+                   if "no_answer" in skipped else ""))
 
     def _estimate_total_steps(self) -> tuple[int, bool]:
         """(schedule length, whether the data's size is known). Length: the tokens of all epochs over the

@@ -19,7 +19,7 @@ from typing import Any
 from dflash_stream.config import Config, ConfigError, load_config
 from dflash_stream.data import PreparedSample
 from dflash_stream.log import get_logger, progress
-from dflash_stream.regenerate.cache import ResponseCache
+from dflash_stream.regenerate.cache import ResponseCache, answers_key, describe_other_caches, regenerate_part
 from dflash_stream.regenerate.client import Answer, CompletionClient, Prompt
 from dflash_stream.rundir import RunDir, write_atomic
 
@@ -27,8 +27,6 @@ log = get_logger(__name__)
 
 PROGRESS_EVERY_S = 2.0
 """How often the phase reports its progress (an extractor writes it to its metrics for `status`)."""
-CACHE_PART = "regenerate"
-"""The response cache part `dflash-stream regenerate` writes (extractors write theirs by shard index)."""
 
 
 def answer_budget(cfg: Config, prompt_tokens: int) -> int:
@@ -44,7 +42,8 @@ class ServerRegenerator:
                  ) -> None:
         self.cfg, self.cache, self.on_progress = cfg, cache, on_progress
         self._reported = 0.0
-        self.client = CompletionClient(cfg.data.generation, tokenizer, stop_ids, concurrency)
+        self.client = CompletionClient(cfg.data.generation, tokenizer, stop_ids, concurrency, target=cfg.target.model,
+                                       max_length=cfg.data.max_length)
         self._ready = threading.Condition()
         self._asked: set[int] = set()
         self._answered: set[int] = set()
@@ -69,8 +68,9 @@ class ServerRegenerator:
         self._thread.start()
         return len(todo)
 
-    def wait(self, sample_ids: list[int]) -> None:
-        """Block until each of `sample_ids` has an answer in the cache or an error; raises the phase's error."""
+    def wait(self, sample_ids: list[int], stop_when: Callable[[], bool] | None = None) -> bool:
+        """Block until each of `sample_ids` has an answer in the cache or an error (True), or `stop_when()` says
+        to stop waiting (False); raises the phase's error."""
         with self._ready:
             while True:
                 if self._fatal is not None:
@@ -78,9 +78,12 @@ class ServerRegenerator:
                 waiting = [i for i in sample_ids if i in self._asked and i not in self._answered]
                 if not waiting or self._thread is None or not self._thread.is_alive():
                     break
+                if stop_when is not None and stop_when():
+                    return False
                 self._ready.wait(timeout=1.0)
         if self._fatal is not None:
             raise self._fatal
+        return True
 
     def join(self) -> None:
         if self._thread is not None:
@@ -157,14 +160,15 @@ def summary_lines(summary: dict[str, Any]) -> list[str]:
         lines.append(f"  {s['retokenize_differs']:,} answers' ids differ from their text tokenized again: a "
                      "text-only server would have trained the drafter on other tokens there")
     for url, ep in s["endpoints"].items():
-        lines.append(f"  {url}: {ep['answers']:,} answers, {ep['tokens']:,} tokens, {ep['errors']} errors, "
-                     f"{ep['outages']} outages ({ep['dialect']})")
+        malformed = f", {ep['malformed']} malformed" if ep.get("malformed") else ""
+        dropped = f"; left the phase: {ep['dropped']}" if ep.get("dropped") else ""
+        lines.append(f"  {url}: {ep['answers']:,} answers, {ep['tokens']:,} tokens, {ep['errors']} errors{malformed}, "
+                     f"{ep['outages']} outages ({ep['dialect']}){dropped}")
     return lines
 
 
 def regenerate_command(args: argparse.Namespace) -> int:
     from dflash_stream.data.prepare import prepare_samples
-    from dflash_stream.data.spec import data_spec_digest
     from dflash_stream.log import setup_logging
     from dflash_stream.target_model.loading import load_tokenizer, target_stop_ids
 
@@ -178,8 +182,13 @@ def regenerate_command(args: argparse.Namespace) -> int:
     tokenizer = load_tokenizer(cfg.target)
     samples, report = prepare_samples(cfg, tokenizer, 0, 1)
     log.info(report.summary())
-    cache = ResponseCache(cfg.output_dir, data_spec_digest(cfg), CACHE_PART)
-    regen = ServerRegenerator(cfg, tokenizer, cache, target_stop_ids(cfg.target, tokenizer))
+    stop_ids = target_stop_ids(cfg.target, tokenizer)
+    key = answers_key(cfg, tokenizer, stop_ids)
+    other = describe_other_caches(cfg.output_dir, key)
+    if other:
+        log.warning("%s", other)
+    cache = ResponseCache(cfg.output_dir, key, regenerate_part())
+    regen = ServerRegenerator(cfg, tokenizer, cache, stop_ids)
     regen.start(samples)
     try:
         regen.join()

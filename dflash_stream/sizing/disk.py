@@ -29,7 +29,7 @@ from dflash_stream.config import Config
 from dflash_stream.errors import DFlashError
 from dflash_stream.sizing.inputs import plan_mean_tokens, plan_samples
 from dflash_stream.sizing.memory import drafter_dims, target_dims
-from dflash_stream.target_model.shape import TargetShape
+from dflash_stream.target_model.shape import MLP_PER_HIDDEN, TargetShape
 from dflash_stream.units import fmt_bytes
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
@@ -64,7 +64,7 @@ def drafter_params_source(cfg: Config, target: TargetShape) -> str:
         return "the target's config"
     if target.intermediate_size:
         return "config (target.intermediate_size)"
-    return "assumed: MLP width 8/3 x hidden (set target.intermediate_size)"
+    return f"assumed: MLP width {MLP_PER_HIDDEN} x hidden (set target.intermediate_size)"
 
 
 def checkpoint_bytes(cfg: Config, params: int, claim_samples: float = 0.0) -> int:

@@ -29,7 +29,7 @@ from pydantic import ByteSize, TypeAdapter, ValidationError
 
 from dflash_stream.config import Config, ConfigError
 from dflash_stream.errors import DFlashError
-from dflash_stream.target_model.shape import KV_LAYER_TYPES, SLIDING
+from dflash_stream.target_model.shape import KV_LAYER_TYPES, SLIDING, default_intermediate_size
 from dflash_stream.units import fmt_bytes
 
 if TYPE_CHECKING:
@@ -212,7 +212,7 @@ def drafter_dims(cfg: Config, target: TargetDims, context_layers: int) -> Drafte
     heads = d.num_attention_heads or target.num_attention_heads
     return DrafterDims(
         hidden_size=target.hidden_size,
-        intermediate_size=d.intermediate_size or target.intermediate_size,
+        intermediate_size=d.intermediate_size or default_intermediate_size(target.shape),
         num_layers=d.num_layers,
         num_attention_heads=heads,
         num_key_value_heads=d.num_key_value_heads or target.num_key_value_heads,

@@ -41,6 +41,7 @@ from dflash_stream.store.errors import (
     FingerprintMismatch,
     StoreError,
     StoreFull,
+    WriterStopped,
 )
 
 if TYPE_CHECKING:
@@ -63,5 +64,5 @@ def __getattr__(name: str) -> object:
 
 __all__ = [
     "BudgetTooSmall", "Claim", "CorruptChunk", "FingerprintMismatch", "Sample", "SegmentConsumer", "SegmentInfo",
-    "SegmentReader", "SegmentWriter", "Store", "StoreError", "StoreFull", "StoredSample",
+    "SegmentReader", "SegmentWriter", "Store", "StoreError", "StoreFull", "StoredSample", "WriterStopped",
 ]

@@ -19,5 +19,9 @@ class StoreFull(StoreError):
     """A non-blocking write found no room in the budget."""
 
 
+class WriterStopped(StoreError):
+    """A writer waiting for room was told to stop (`SegmentWriter.stop_when`): its write did not happen."""
+
+
 class CorruptChunk(StoreError):
     """A chunk failed its checksum or is missing; the message names the segment and the chunk."""

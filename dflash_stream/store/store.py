@@ -8,7 +8,7 @@ import os
 import re
 import shutil
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -25,6 +25,7 @@ from dflash_stream.store.errors import (
     FingerprintMismatch,
     StoreError,
     StoreFull,
+    WriterStopped,
 )
 from dflash_stream.store.heartbeat import Heartbeat, read_heartbeats
 
@@ -552,6 +553,9 @@ class SegmentWriter:
     def __init__(self, store: Store, writer_id: str) -> None:
         self.store, self.id = store, writer_id
         self.waited_seconds = 0.0
+        self.stop_when: Callable[[], bool] | None = None
+        """Asked while a write waits for room: True ends the wait with WriterStopped (training is over, nothing
+        will free room)."""
         self._pressure = BackpressureLog(log, writer_id)
         store._clean_writer(writer_id)
         (store.path / "writers" / f"{writer_id}.finished").unlink(missing_ok=True)
@@ -686,6 +690,9 @@ class SegmentWriter:
                                 st.path, f"{free:,}", f"{st.keep_free:,}", f"{need:,}")
             else:
                 self._pressure.remind()
+            if self.stop_when is not None and self.stop_when():
+                (st.path / "budget" / "waiting" / self.id).unlink(missing_ok=True)
+                raise WriterStopped(f"writer {self.id} stopped waiting for room in {st.path}: it was told to stop")
             time.sleep(delay)
             delay = min(delay * 2, POLL_SECONDS[1])
         if waiting_since is not None:

@@ -83,6 +83,18 @@ class TargetShape:
         }
 
 
+MLP_PER_HIDDEN = 3
+"""A drafter's MLP width over its hidden size where the target has no dense MLP to copy (MoE-only families such
+as Qwen3.5/3.6-MoE give `moe_intermediate_size` and `shared_expert_intermediate_size`, no `intermediate_size`):
+z-lab's drafter for Qwen3.5-35B-A3B (hidden 2048) has intermediate_size 6144."""
+
+
+def default_intermediate_size(target: TargetShape) -> int:
+    """A drafter's MLP width when drafter.intermediate_size is unset: the target's dense MLP width, else
+    MLP_PER_HIDDEN x hidden."""
+    return target.intermediate_size or MLP_PER_HIDDEN * target.hidden_size
+
+
 def text_config_of(config: Any) -> Any:
     """The language model's settings: `text_config` of wrappers, the config itself otherwise."""
     return config.get_text_config() if hasattr(config, "get_text_config") else config
