@@ -194,9 +194,9 @@ HOLD_BATCHES = 4
 """Batches' worth of tokens that may queue behind a sample in the trainer's token batcher before its length
 bucket's queue moves up (drafter/batches.py)."""
 HOLDING_SHARE = 0.25
-"""Share of store.budget that finished-but-unreleased segments must reach before extractors waiting on a full
-buffer make the trainers checkpoint (a checkpoint per step would cost more than the extractors' wait); `plan`
-counts the checkpoints this forces."""
+"""With train.release after_checkpoint: share of store.budget that finished-but-unreleased segments must reach
+before extractors waiting on a full buffer make the trainers checkpoint (a checkpoint per step would cost more than
+the extractors' wait); `plan` counts the checkpoints this forces."""
 REPLAY_WINDOW_BYTES = 2 * 2**30
 """Raw bytes of a kept store's segments that a replay (extract.from_store) decodes at once to reshuffle a later
 pass: all of a small store, a window of a large one; `plan` shows it as host RAM."""
@@ -325,6 +325,16 @@ class TrainConfig(Section):
     loss_chunk_rows: int | None = Field(2048, ge=1)
     """Rows of LM-head logits computed at a time in the loss (recomputed in backward); null: all at once."""
     checkpoint_every: int = Field(200, ge=1)
+    """Steps between checkpoints (whichever of this and checkpoint_every_s comes first)."""
+    checkpoint_every_s: float | None = Field(1800.0, gt=0)
+    """Seconds between checkpoints (null: steps only). A crash loses the training since the last checkpoint, and
+    with release on_use also re-extracts what was released since: `plan` shows both beside the stall."""
+    release: Literal["on_use", "after_checkpoint"] = "on_use"
+    """When a trained segment use leaves the store. on_use: as soon as its samples are trained; a crash re-extracts
+    the uses released after the checkpoint it resumes from (their ids are enough), so checkpoints follow
+    checkpoint_every / checkpoint_every_s alone. after_checkpoint: only once a durable checkpoint records it, so
+    nothing is ever extracted twice, but a small store.budget forces a checkpoint whenever finished segments fill
+    a quarter of it (`plan` counts them): for runs whose extraction costs far more than their training."""
     keep_checkpoints: int = Field(2, ge=1)
     """Complete checkpoints kept on disk. One is enough for the release protocol (the old one is deleted only
     after the new one is durable), so at most keep_checkpoints + 1 exist at once; more keep older fallbacks."""

@@ -7,6 +7,7 @@ Every reader and writer of OUTPUT goes through `RunDir`, so the layout below has
     checkpoints/step-N/          a trainer checkpoint; complete once its COMPLETE marker exists (written last)
     checkpoints/.step-N.tmp/     the same while being written
     ledger/trainer-R/N.jsonl     segment uses trainer rank R trained between the previous checkpoint and step N
+    ledger/released-trainer-R.jsonl  segment uses rank R released since its latest checkpoint (train.release on_use)
     data/report-<shard>.json     what the data stage kept and skipped (the audit's expected ids)
     data/responses-<key>-<part>.jsonl   regenerated responses, appended as made (.idx: where each line is;
                                  responses-<key>.json: what the key stands for)
@@ -105,6 +106,11 @@ class RunDir:
 
     def ledger_file(self, rank: int, step: int) -> Path:
         return self.ledger(rank) / f"{step}.jsonl"
+
+    def release_journal(self, rank: int) -> Path:
+        """The segment uses trainer rank `rank` released after its latest checkpoint (train.release on_use): what a
+        crash makes it extract again. Beside the ledger folders, not in them (those hold one file per step)."""
+        return self.root / "ledger" / f"released-trainer-{rank}.jsonl"
 
     def ledger_files(self, rank: int | None = None) -> list[tuple[int, Path]]:
         """(step, path) of one trainer rank's ledger files, or of every rank's, in path order."""

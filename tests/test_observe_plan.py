@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 import socket
 from pathlib import Path
@@ -289,9 +290,11 @@ def test_headline_config_plans_the_real_target(capsys) -> None:
 
 
 def test_plan_counts_the_checkpoints_the_release_rule_forces(tmp_path) -> None:
-    """Issue 26's contract `time.checkpoints`: at the headline's rates the budget, not train.checkpoint_every,
-    sets how often trainers checkpoint; a smaller budget forces more of them and a large stall share warns."""
-    headline = load_config(Path(__file__).parents[1] / "configs" / "qwen3.6-27b-4gpu.yaml")
+    """Issue 26's contract `time.checkpoints`: released after_checkpoint, at the headline's rates the budget, not
+    train.checkpoint_every, sets how often trainers checkpoint; a smaller budget forces more of them and a large
+    stall share warns."""
+    headline = load_config(Path(__file__).parents[1] / "configs" / "qwen3.6-27b-4gpu.yaml",
+                           ["--train.release=after_checkpoint"])
     plan = build_plan(headline, processes=4)
     c = plan["time"]["checkpoints"]
     assert set(c) >= {"bytes", "every_seconds", "write_seconds", "stall_fraction"}
@@ -304,8 +307,46 @@ def test_plan_counts_the_checkpoints_the_release_rule_forces(tmp_path) -> None:
     tight = build_plan(small, processes=4)["time"]["checkpoints"]
     assert tight["every_seconds"] == pytest.approx(c["every_seconds"] * 4 * 2**30 / int(headline.store.budget))
     assert tight["count"] > 10 * c["count"] and tight["stall_fraction"] > 0.05
-    assert any("checkpoints stop training" in w and "store.budget" in w
+    assert any("checkpoints stop training" in w and "store.budget" in w and "train.release: on_use" in w
                for w in build_plan(small, processes=4)["warnings"])
+
+
+def test_plan_shows_both_release_rules_and_the_headline_checkpoints_on_the_users_clock() -> None:
+    """Issue 34: configs/qwen3.6-27b-4gpu-vllm.yaml (training the slower side) releases on use and checkpoints
+    every 30 minutes: ~300 checkpoints, ~6 TB, under 0.5 % of training stopped, an order of magnitude below what
+    after_checkpoint's buffer forces (3,329, 3.0 %); one crash costs at most the interval (its write included)
+    plus re-extracting what was released in it, under an hour; plan names the rule, says why, and shows both."""
+    from dflash_stream.observe.plan import render_plan
+
+    cfg = load_config(Path(__file__).parents[1] / "configs" / "qwen3.6-27b-4gpu-vllm.yaml")
+    plan = build_plan(cfg, processes=4)
+    c = plan["time"]["checkpoints"]
+    on_use, after = c["rules"]["on_use"], c["rules"]["after_checkpoint"]
+    assert c["rule"] == cfg.train.release == "on_use" and c["count"] == on_use["count"]
+    assert on_use["every_seconds"] == cfg.train.checkpoint_every_s == 1800
+    assert 280 <= on_use["count"] <= 320 and 5e12 < on_use["bytes_written"] < 7e12
+    assert on_use["stall_fraction"] < 0.005 and after["stall_fraction"] > 0.025 and after["count"] > 3000
+    assert after["bytes_written"] > 10 * on_use["bytes_written"] and after["count"] > 10 * on_use["count"]
+    assert on_use["training_lost_seconds"] == pytest.approx(1800 + c["write_seconds"])
+    assert 0 < on_use["reextract_seconds"] < on_use["training_lost_seconds"] and after["reextract_seconds"] == 0
+    assert on_use["crash_seconds"] == pytest.approx(on_use["training_lost_seconds"] + on_use["reextract_seconds"])
+    assert on_use["crash_seconds"] < 3600
+    # What a crash extracts again: the interval's token-uses over the 6 uses per segment, plus the buffer's content.
+    train = plan["time"]["phases"]["train"]
+    uses = train["tok_s_per_process"] * train["processes"] * on_use["training_lost_seconds"]
+    buffered = int(cfg.store.budget) / plan["volume"]["stored_bytes_per_token"]
+    assert on_use["reextract_tokens"] == pytest.approx(uses / 6 + buffered)
+    assert "10.8x fewer bytes" in c["why"]
+    page = render_plan(plan)
+    assert "release  train.release: on_use" in page
+    assert re.search(r"-> on_use +309 +5\.8 TiB +0\.29% +30m 00s", page), page
+    assert re.search(r" after_checkpoint +3,329 +62\.9 TiB +3\.02% +2m 47s", page), page
+    assert not any("one crash may cost" in w for w in plan["warnings"])
+    # A crash costing more than an hour warns, naming the knobs.
+    slow = load_config(Path(__file__).parents[1] / "configs" / "qwen3.6-27b-4gpu-vllm.yaml",
+                       ["--train.checkpoint_every_s=7200"])
+    assert any("one crash may cost" in w and "train.checkpoint_every_s" in w and "after_checkpoint" in w
+               for w in build_plan(slow, processes=4)["warnings"])
 
 
 def test_plan_uses_the_counts_of_dflash_stream_data_for_the_same_data(tiny_target_dir, tmp_path, capsys) -> None:
@@ -466,13 +507,16 @@ def test_plan_warns_when_the_weights_do_not_fit_a_server(tmp_path: Path) -> None
 def test_plan_checkpoints_follow_the_overlapped_extraction_side(tmp_path: Path) -> None:
     """With slow servers the extraction side's pace is regeneration's alone (not regeneration + extraction), and
     the release rule forces one checkpoint per budget's worth of states written at that pace."""
-    cfg = load_config(_regen_config(tmp_path, endpoints=["http://a:8000/v1"], tokens_per_s=5.0))
+    # Checkpoints on steps alone: the buffer's rule, not the 30-minute clock, then sets after_checkpoint's pace.
+    cfg = load_config(_regen_config(tmp_path, endpoints=["http://a:8000/v1"], tokens_per_s=5.0),
+                      ["--train.checkpoint_every_s=null"])
     plan = build_plan(cfg, samples=10_000, mean_tokens=1_500, processes=4)
     t, c = plan["time"], plan["time"]["checkpoints"]
     assert t["extract_side_seconds"] == t["regenerate_seconds"] > t["phases"]["extract"]["seconds"]
     written = 10_000 * 1_500 * plan["volume"]["stored_bytes_per_token"] / t["regenerate_seconds"]
-    assert "extraction is the slower side" in c["forced_by"]
-    assert c["every_seconds"] == pytest.approx(int(cfg.store.budget) / written)
+    forced = c["rules"]["after_checkpoint"]
+    assert "extraction is the slower side" in forced["forced_by"]
+    assert forced["every_seconds"] == pytest.approx(int(cfg.store.budget) / written)
 
 
 def test_plan_hf_regeneration_figures_are_unchanged() -> None:
@@ -486,7 +530,7 @@ def test_plan_hf_regeneration_figures_are_unchanged() -> None:
     assert t["regenerate_seconds"] == pytest.approx(851292.15696896, rel=1e-9)
     assert t["total_seconds"] == pytest.approx(934448.604425216, rel=1e-9)
     assert t["extract_side_seconds"] == pytest.approx(t["regenerate_seconds"] + t["phases"]["extract"]["seconds"])
-    assert t["checkpoints"]["every_seconds"] == pytest.approx(1123.1024647124304, rel=1e-9)
+    assert t["checkpoints"]["rules"]["after_checkpoint"]["every_seconds"] == pytest.approx(1123.1024647124304, rel=1e-9)
     assert plan["roles"]["trainers"] == 2 and t["gpus"] == {"launch": 4, "extraction_servers": 0,
                                                                  "regeneration_servers": 0, "serving": 0, "total": 4}
 

@@ -170,32 +170,52 @@ def test_combined_run_under_accelerate(tiny_target_dir, tmp_path):
     assert summary["extractor_backpressure_seconds"] == 0 or 1 <= len(held) <= 3, held
 
 
+def kill(proc: subprocess.Popen, output: Path, victim: str) -> None:
+    """kill -9 of one rank, or of the whole job at once as a node failure would: launcher and every rank."""
+    if victim == "launch":
+        os.killpg(proc.pid, signal.SIGKILL)
+        for pid in rank_pids(output).values():  # torchrun starts its workers in sessions of their own
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    else:
+        os.kill(rank_pids(output)[victim], signal.SIGKILL)
+    proc.communicate(timeout=120)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("victim", ["extractor-0", "trainer-0", "launch"])
-def test_kill_at_random_moment_then_resume(tiny_target_dir, tmp_path, victim):
-    config = write_run_config(tmp_path, tiny_target_dir, rows=200)
+@pytest.mark.parametrize("epoch_source", ["reuse", "reextract"])
+def test_kill_at_random_moments_then_resume(tiny_target_dir, tmp_path, epoch_source):
+    """train.release on_use (the default), with epochs by reuse and by re-extraction: a round for each victim
+    (the trainer, the extractor, the whole launch), in random order, each killed at a random moment once
+    training is under way and segment uses were released since the latest checkpoint, so that a resume must have
+    them extracted again; then a run to the end. The audit is exact, the rolled-back uses were all extracted and
+    trained again, and the store stayed within its budget throughout, as measured from outside."""
+    config = write_run_config(tmp_path, tiny_target_dir, rows=200, **{"train.epoch_source": epoch_source})
     output = tmp_path / "out"
+    journal = output / "ledger" / "released-trainer-0.jsonl"
     rng = random.Random()
+    victims = ["extractor-0", "trainer-0", "launch"]
+    rng.shuffle(victims)
     with DiskSampler(output / "store") as disk:
-        proc = launch(config)
-        deadline = time.time() + 180
-        # Wait until training is under way while the extractor is held back by the small budget,
-        # so the kill lands mid-stream on both sides.
-        while time.time() < deadline and not any(e["event"] == "train" for e in events(output)):
-            time.sleep(0.1)
-        time.sleep(rng.uniform(0.0, 1.5))
-        if victim == "launch":  # the whole job at once, as a node failure would: launcher and every rank
-            os.killpg(proc.pid, signal.SIGKILL)
-            for pid in rank_pids(output).values():  # torchrun starts its workers in sessions of their own
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-        else:
-            os.kill(rank_pids(output)[victim], signal.SIGKILL)
-        proc.communicate(timeout=120)
-        assert not (output / "summary.json").exists(), "the kill came too late to test anything"
+        for victim in victims:
+            started = time.time()
+            proc = launch(config)
+            deadline = started + 180
+            # Training under way in this launch, with the extractor held back by the small budget, and uses
+            # released since the latest checkpoint: the kill lands mid-stream on both sides.
+            while time.time() < deadline and not (
+                    any(e["event"] == "train" and e["time"] > started for e in events(output))
+                    and journal.is_file() and journal.stat().st_size > 0):
+                time.sleep(0.1)
+            time.sleep(rng.uniform(0.0, 1.0))
+            kill(proc, output, victim)
+            assert not (output / "summary.json").exists(), f"the kill of {victim} came too late to test anything"
         finish(launch(config))
     assert disk.peak <= BUDGET
     assert_exactly_once(output, epochs=2)
+    report = audit_run(output)
+    assert report["rolled_back"] and all(r["redone"] for r in report["rolled_back"]), report["rolled_back"]
+    assert sum(p["redone"] for p in report["passes"]) >= sum(r["uses"] * r["samples"] for r in report["rolled_back"])
 
 
 @pytest.mark.slow

@@ -79,6 +79,21 @@ def test_replay_writes_the_kept_states_bit_exact_and_reshuffles_later_passes(kep
     report = json.loads((tmp_path / "replay" / "data" / "report-0.json").read_text())
     assert sorted(report["sample_ids"]) == sorted(original)
 
+    # A use a trainer released and a crash rolled back (train.release on_use) is replayed again, bit-exact, for
+    # exactly that use: the replay serves the generic redo path as the target's extractor does.
+    consumer = store.consumer("trainer-0")
+    claim = consumer.claim(timeout=1)
+    consumer.release([claim])
+    part = {"segment_id": claim.segment_id, "pass_index": claim.pass_index, "first_use": claim.use_index,
+            "last_use": claim.use_index, "sample_ids": list(claim.sample_ids[:2])}
+    [tag] = store.request_redo([part], "test")
+    assert replay.redo_quarantined() == 1 and not store.redo_pending()
+    [again] = [i for i in Store.attach(store.path).published() if i.replaces == tag]
+    assert (again.first_use, again.last_use, again.pass_index, again.sample_ids) == (
+        claim.use_index, claim.use_index, claim.pass_index, claim.sample_ids[:2])
+    redone = {s.sample_id: s.hidden_states for s in read_segment(again.segment_id, store.path / "segments" / again.segment_id)}
+    assert all(torch.equal(redone[i].view(torch.int16), original[i].view(torch.int16)) for i in redone)
+
 
 @pytest.mark.slow
 def test_a_replayed_run_in_a_smaller_fp8_store_trains_every_sample_once_per_epoch(kept, tmp_path):

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from test_store import FP, make_samples, open_store
 
-from dflash_stream.store import FingerprintMismatch, SegmentInfo, Store, ledger
+from dflash_stream.store import FingerprintMismatch, SegmentInfo, Store, lease, ledger
 from dflash_stream.store import store as store_module
 from dflash_stream.store.budget import du
 
@@ -274,3 +274,49 @@ def test_two_objects_of_one_consumer_id_in_one_process_never_cut_each_others_lin
     for c in (first, second, first, second):
         c.release([c.claim(timeout=1)])
     assert [r["segment_id"] for r in ledger_lines(store)] == [i.segment_id for i in written]
+
+
+def test_a_replacement_of_rolled_back_uses_serves_exactly_them_and_the_original_its_other_uses(tmp_path, monkeypatch):
+    """train.release on_use: a crash undid use 0 of a segment already released (its next use READY). The
+    replacement asked for (`request_redo`) serves use 0 alone and is then deleted and folded, the original keeps
+    serving uses 1 and 2; the request is durable and asked once, routed to the segment's writer, holds the end of
+    data back until it is answered, and a kill between publishing the replacement and marking it READY leaves it
+    marked redone first (so it is never written twice), READY after recovery."""
+    store = open_store(tmp_path / "s", reuse=3)
+    w, c = store.writer("w"), store.consumer("c")
+    info = w.write(make_samples([1, 2], [3, 5]))
+    w.finish()
+    store.set_expected_writers(1)
+    c.release([c.claim(timeout=1)])  # use 0 trained and released; use 1 READY
+    part = {"segment_id": info.segment_id, "pass_index": 0, "first_use": 0, "last_use": 0, "sample_ids": [1, 2]}
+    [tag] = store.request_redo([part], "a crash undid it")
+    assert store.request_redo([part], "asked again after a second crash") == [tag]
+    assert [r["reason"] for r in store.rollbacks()] == ["a crash undid it"]
+    assert [t for t, _ in store.redo_requests("w")] == [tag] and store.redo_requests("other") == []
+    assert store.redo_waiting()[0]["why"] == "rolled back" and not store.end_of_data
+
+    def killed(self, seg, use=0):
+        raise Killed
+
+    monkeypatch.setattr(Store, "_mark_ready", killed)
+    with pytest.raises(Killed):
+        w.write(make_samples([1, 2], [3, 5]), first_use=0, replaces=tag)
+    monkeypatch.undo()
+    assert store.rollbacks()[0]["redone"] and not store.redo_pending()  # redone before READY
+    lease.release_all()
+    store = Store.attach(store.path)
+    store.recover()
+    c = store.consumer("c")
+    replacement = c.claim(timeout=1)  # the lowest epoch first: the replacement's use 0 before the original's use 1
+    assert (replacement.use_index, replacement.final_use, replacement.replaces) == (0, 0, tag)
+    assert replacement.segment_id != info.segment_id and replacement.sample_ids == (1, 2)
+    c.release([replacement])
+    assert not (store.path / "segments" / replacement.segment_id).exists()  # its one use done: deleted, folded
+    uses = []
+    while (claim := c.claim(timeout=1)) is not None:
+        uses.append((claim.segment_id, claim.use_index))
+        c.release([claim])
+    assert uses == [(info.segment_id, 1), (info.segment_id, 2)]
+    assert store.drained() and not os.listdir(store.path / "segments")
+    assert [i.segment_id for i in store.published()] == [info.segment_id, replacement.segment_id]
+    assert store.published()[1].last_use == 0 and store.stored_sample_ids() == {0: {1, 2}}

@@ -25,6 +25,7 @@ from dflash_stream.pipeline import checkpoint as ckpt
 from dflash_stream.pipeline.common import open_store
 from dflash_stream.pipeline.roles import RoleInfo
 from dflash_stream.pipeline.trainer import Trainer
+from dflash_stream.rundir import RunDir
 
 LAYER_IDS = [1, 2, 3]
 HIDDEN = 64
@@ -180,7 +181,7 @@ def test_release_happens_only_after_the_checkpoint_is_durable(tmp_path, target_d
     """A crash right before or right after a checkpoint's release: the resumed trainer neither loses nor
     retrains anything. After the release the reader may already hold the next use of those segments. Written in
     the background, the checkpoint is released at a later step, once durable; the training since is redone."""
-    cfg = make_config(tmp_path, target_dir, epochs=2, async_checkpoint=background)
+    cfg = make_config(tmp_path, target_dir, epochs=2, async_checkpoint=background, release="after_checkpoint")
     fill_store(cfg, samples[:20])
     trainer = new_trainer(cfg)
     real_release = trainer.consumer.release
@@ -212,6 +213,90 @@ def test_release_happens_only_after_the_checkpoint_is_durable(tmp_path, target_d
     assert resumed.run() is True
     resumed.close()
     assert_exactly_once(Path(cfg.output_dir), samples[:20], epochs=2)
+
+
+@pytest.mark.parametrize("moment, background", [("before_store_release", True), ("after_store_release", False)],
+                         ids=["before_store_release-async", "after_store_release-sync"])
+def test_a_crash_after_a_release_on_use_extracts_exactly_the_released_samples_again(tmp_path, target_dir, samples,
+                                                                                  moment, background):
+    """train.release on_use: a crash right after a release that came after the latest durable checkpoint (its
+    journal line written; the store's release done or not). The resumed trainer asks for exactly the samples of
+    the uses released since that checkpoint, less those it records as trained, to be extracted again, for
+    exactly those uses; once a writer has written them (as an extractor does for its redo requests) training
+    ends with every sample once per epoch in the final weights, the redone ones marked in the ledger."""
+    from dflash_stream.pipeline.audit import audit_run
+    from dflash_stream.pipeline.common import save_resolved_config
+
+    cfg = make_config(tmp_path, target_dir, epochs=2, checkpoint_every=2, async_checkpoint=background)
+    assert cfg.train.release == "on_use"  # the default
+    store = fill_store(cfg, samples[:20])
+    write_data_report(cfg, samples[:20])
+    save_resolved_config(cfg)  # where the audit finds the store
+    output = Path(cfg.output_dir)
+    trainer = new_trainer(cfg)
+    real_release = trainer.consumer.release
+    released: list[tuple[int, object]] = []  # (step of the update holding it, claim)
+
+    def release(claims):
+        latest = ckpt.latest_checkpoint(output)
+        step = trainer.steps
+        # The journal holds the use before the store lets it go.
+        journal = [json.loads(line) for line in (output / "ledger" / "released-trainer-0.jsonl").read_text().splitlines()]
+        assert [(j["step"], j["claim"]["segment_id"]) for j in journal[-len(claims):]] == [(step, c.segment_id) for c in claims]
+        if latest is not None and ckpt.checkpoint_step(latest) < step and len(released) >= 3:
+            if moment == "after_store_release":
+                real_release(claims)
+            released.extend((step, c) for c in claims)
+            raise RuntimeError("simulated crash")
+        real_release(claims)
+        released.extend((step, c) for c in claims)
+
+    trainer.consumer.release = release
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        trainer.run()
+    trainer.close()
+
+    latest = ckpt.latest_checkpoint(output)
+    durable = ckpt.checkpoint_step(latest)
+    trained_at = {(r["claim"]["segment_id"], r["claim"]["use_index"]): set(r["trained"])
+                  for r in ckpt.load_torch(latest / "trainer-0.pt")["partial"]}
+    lost = [c for step, c in released if step > durable]
+    assert lost and len(lost) < len(released)  # some released before the checkpoint: those stay trained
+    expected = {(c.segment_id, c.use_index, i) for c in lost for i in c.sample_ids
+                if i not in trained_at.get((c.segment_id, c.use_index), set())}
+
+    resumed = new_trainer(cfg)
+    assert resumed.steps == durable
+    asked = {(p["segment_id"], use, i) for p in resumed.position.rolled_back
+             for use in range(p["first_use"], p["last_use"] + 1) for i in p["sample_ids"]}
+    assert asked == expected
+    waiting = store.redo_waiting()
+    assert {w["why"] for w in waiting} == {"rolled back"}
+    assert {(w["segment_id"], w["first_use"]) for w in waiting} == {(p["segment_id"], p["first_use"])
+                                                                     for p in resumed.position.rolled_back}
+    # The journal is empty again: a second crash before the next checkpoint asks nothing twice.
+    assert not (output / "ledger" / "released-trainer-0.jsonl").read_text()
+
+    # What an extractor does with its redo requests: the same samples, as replacement segments.
+    writer = store.writer("test-writer")
+    by_id = {s.sample_id: s for s in samples}
+    for tag, part in store.redo_requests("test-writer"):
+        info = writer.write([by_id[i] for i in part["sample_ids"]], pass_index=part["pass_index"],
+                            first_use=part["first_use"], replaces=tag)
+        assert (info.first_use, info.last_use) == (part["first_use"], part["last_use"])
+    assert not store.redo_pending()
+    writer.finish()
+
+    assert resumed.run() is True
+    resumed.close()
+    assert_exactly_once(output, samples[:20], epochs=2)
+    assert_store_drained(store)
+    redone = [(e["redo"], e["epoch"], i) for _, f in RunDir(output).ledger_files(0) for line in f.read_text().splitlines()
+              if "redo" in (e := json.loads(line)) for i in e["sample_ids"]]
+    assert len(redone) == len(set(redone)) == len(expected)  # each lost sample use again once, marked as redone
+    report = audit_run(output)
+    assert report["ok"] and sum(p["redone"] for p in report["passes"]) == len(expected)
+    assert [r["samples"] for r in report["rolled_back"]] and all(r["redone"] for r in report["rolled_back"])
 
 
 def _write_yaml(cfg: Config, tmp: Path) -> Path:
@@ -302,10 +387,12 @@ def test_a_run_with_nothing_to_train_stops_before_training_naming_why(tmp_path, 
     assert ckpt.latest_checkpoint(cfg.output_dir) is None
 
 
-def test_until_idle_trains_what_is_ready_releases_it_and_returns(tmp_path, target_dir, samples):
+@pytest.mark.parametrize("rule", ["on_use", "after_checkpoint"])
+def test_until_idle_trains_what_is_ready_releases_it_and_returns(tmp_path, target_dir, samples, rule):
     """Single-process mode: extraction and training alternate, so training must stop (not block) when the
-    ready segments are used up, with everything trained so far checkpointed and released."""
-    cfg = make_config(tmp_path, target_dir, epochs=1)
+    ready segments are used up, with everything trained so far released (after_checkpoint: and checkpointed;
+    on_use: no checkpoint is due before checkpoint_every)."""
+    cfg = make_config(tmp_path, target_dir, epochs=1, release=rule, checkpoint_every=1000)
     store = open_store(cfg, LAYER_IDS, HIDDEN)
     store.set_expected_writers(1)
     writer = store.writer("test-writer")
@@ -315,7 +402,9 @@ def test_until_idle_trains_what_is_ready_releases_it_and_returns(tmp_path, targe
     assert trainer.run(until_idle=True) is False
     status = store.status()
     assert status["segments"]["released"] == 2 and status["segments"]["claimed"] == 0
-    assert ckpt.checkpoint_step(ckpt.latest_checkpoint(cfg.output_dir)) == trainer.steps > 0
+    latest = ckpt.latest_checkpoint(cfg.output_dir)
+    assert trainer.steps > 0 and (latest is None if rule == "on_use" else ckpt.checkpoint_step(latest) == trainer.steps)
+    assert trainer.writer.pending is None
     for start in (10, 15):
         writer.write(samples[start:start + 5])
     writer.finish()
@@ -355,7 +444,7 @@ def test_training_goes_on_while_a_checkpoint_is_written_and_its_release_waits_un
     two more steps (or 2 s passed); every release comes after the checkpoint recording it is COMPLETE, and only
     the uses that checkpoint records as finished are released. Written synchronously, no step could be taken
     while a write is pending."""
-    cfg = make_config(tmp_path, target_dir, epochs=2, checkpoint_every=3)
+    cfg = make_config(tmp_path, target_dir, epochs=2, checkpoint_every=3, release="after_checkpoint")
     store = fill_store(cfg, samples[:30])
     trainer = new_trainer(cfg)
     real_write_part, real_release = ckpt.write_part, trainer.consumer.release
@@ -388,13 +477,15 @@ def test_training_goes_on_while_a_checkpoint_is_written_and_its_release_waits_un
     assert_store_drained(store)
 
 
-def test_a_blocked_extractor_makes_the_trainer_checkpoint_and_release(tmp_path, target_dir, samples):
+@pytest.mark.parametrize("rule", ["after_checkpoint", "on_use"])
+def test_a_blocked_extractor_makes_the_trainer_checkpoint_and_release(tmp_path, target_dir, samples, rule):
     """A buffer too small for the data: the writer blocks on the budget, and the trainer, which still has
-    segments to train, must checkpoint and release the finished ones rather than wait for its next
-    scheduled checkpoint (which never comes here): otherwise both sides wait forever."""
+    segments to train, must release the finished ones rather than wait for its next scheduled checkpoint (which
+    never comes here): otherwise both sides wait forever. after_checkpoint: it checkpoints to release them;
+    on_use: they leave as they finish, with no checkpoint before the end."""
     import threading
 
-    cfg = make_config(tmp_path, target_dir, epochs=1, checkpoint_every=1000, grad_accum=2)
+    cfg = make_config(tmp_path, target_dir, epochs=1, checkpoint_every=1000, grad_accum=2, release=rule)
     cfg.store.budget = 600_000
     store = open_store(cfg, LAYER_IDS, HIDDEN)
     store.set_expected_writers(1)
@@ -413,7 +504,10 @@ def test_a_blocked_extractor_makes_the_trainer_checkpoint_and_release(tmp_path, 
     extractor.join(timeout=60)
     assert writer.waited_seconds > 0
     reasons = [e["reason"] for e in read_metrics(cfg.output_dir) if e["event"] == "checkpoint"]
-    assert "extractors are blocked on the full buffer" in reasons
+    if rule == "after_checkpoint":
+        assert "extractors are blocked on the full buffer" in reasons
+    else:
+        assert reasons == ["end of data"]
     assert_exactly_once(Path(cfg.output_dir), samples, epochs=1)
 
 
@@ -486,8 +580,10 @@ def _launch_two_trainers(config: Path, rank_1_code: str | None = None) -> list[s
 def test_a_background_write_that_fails_on_one_rank_is_never_published(tmp_path, target_dir, samples):
     """Two trainers, background checkpoints; rank 1's part of the second checkpoint fails with EIO. No rank
     publishes it: both stop with the same one line naming rank 1, its file and the error; every complete
-    checkpoint holds both parts; the next launch resumes from the first one and trains every sample once."""
-    cfg = make_config(tmp_path, target_dir, epochs=2, checkpoint_every=2, async_checkpoint=True)
+    checkpoint holds both parts; the next launch resumes from the first one and trains every sample once.
+    after_checkpoint: trainers launched without an extractor, whose resume has no uses to extract again."""
+    cfg = make_config(tmp_path, target_dir, epochs=2, checkpoint_every=2, async_checkpoint=True,
+                      release="after_checkpoint")
     store = fill_store(cfg, samples[:24], per_segment=3)
     config = _write_yaml(cfg, tmp_path)
     output = Path(cfg.output_dir)
@@ -516,8 +612,10 @@ def test_an_old_checkpoint_that_cannot_be_deleted_stops_training_in_one_line(tmp
                                                                              monkeypatch):
     """The deletion of older checkpoints after a background publish fails (an NFS server refusing an rmtree):
     training stops at the next checkpoint with one line naming the folder, the bytes it keeps and the error,
-    instead of a thread's traceback that leaves the folder filling the disk."""
-    cfg = make_config(tmp_path, target_dir, epochs=2, checkpoint_every=2, keep_checkpoints=1, async_checkpoint=True)
+    instead of a thread's traceback that leaves the folder filling the disk. after_checkpoint: a trainer resumed
+    without an extractor, with no uses to extract again."""
+    cfg = make_config(tmp_path, target_dir, epochs=2, checkpoint_every=2, keep_checkpoints=1, async_checkpoint=True,
+                      release="after_checkpoint")
     fill_store(cfg, samples[:12], per_segment=3)
     real_rmtree = ckpt.shutil.rmtree
 

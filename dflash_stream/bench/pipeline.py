@@ -2,13 +2,17 @@
 
 Both sides run the same config as real processes: streaming is `accelerate launch` with one extractor and one
 trainer sharing a small ring buffer; sequential is `dflash-stream extract` into an unbounded store, then
-`dflash-stream train` on it. Every figure comes from the runs' own summaries and clocks.
+`dflash-stream train` on it. The streaming run is repeated under each release rule asked for (`--rules`:
+train.release on_use and after_checkpoint), the config's own rule first, the sequential run between them, to
+show what each rule's checkpoints cost; the machine's load average is recorded before and after, since a shared
+machine skews both sides. Every figure comes from the runs' own summaries and clocks.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -17,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash_stream.config import load_config
+from dflash_stream.errors import DFlashError
 from dflash_stream.observe.metrics import peak_store_bytes
 from dflash_stream.pipeline.common import store_layout
 from dflash_stream.rundir import RunDir
@@ -29,6 +34,8 @@ def register_bench(sub: argparse._SubParsersAction) -> None:
     bench.add_argument("--config", default="configs/demo.yaml")
     bench.add_argument("--launch", default="launch/cpu-2proc.yaml", help="accelerate config of the streaming run")
     bench.add_argument("--workdir", default=None, help="where both runs write (default: a temporary folder)")
+    bench.add_argument("--rules", default="on_use,after_checkpoint",
+                       help="train.release rules to stream under, comma-separated (the config's own first)")
     bench.add_argument("--json", action="store_true")
     bench.set_defaults(func=bench_pipeline, overrides=[])
 
@@ -43,55 +50,99 @@ def _timed(cmd: list[str], log_path: Path) -> float:
     return time.perf_counter() - started
 
 
+def _streaming(stream: dict[str, Any], seconds: float, sequential_seconds: float, budget: int) -> dict[str, Any]:
+    """One streaming run's figures: its wall time against the sequential one, and what its checkpoints cost."""
+    return {
+        "seconds": round(seconds, 1),
+        "ratio": round(seconds / sequential_seconds, 3),
+        "checkpoints": stream["checkpoints"],
+        "steps": stream["steps"],
+        "checkpoint_stall_seconds": stream["checkpoint_stall_seconds"],
+        "checkpoint_stall_share": round(stream["checkpoint_stall_seconds"] / max(stream["train_seconds"], 1e-9), 4),
+        "train_seconds": stream["train_seconds"],
+        "extract_seconds": stream["extract_seconds"],
+        "trainer_data_wait_fraction": round(
+            stream["trainer_data_wait_seconds"] / max(stream["train_seconds"], 1e-9), 3),
+        "extractor_backpressure_seconds": stream["extractor_backpressure_seconds"],
+        "peak_store_bytes": stream["peak_store_bytes"],
+        "peak_within_budget": stream["peak_store_bytes"] <= budget,
+        "samples_trained": stream["samples_trained"],
+    }
+
+
 def bench_pipeline(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
+    rules = list(dict.fromkeys(r.strip() for r in args.rules.split(",") if r.strip()))
+    allowed = ("on_use", "after_checkpoint")
+    if not rules or any(r not in allowed for r in rules):
+        raise DFlashError(f"--rules {args.rules!r}: allowed: a comma-separated list of {', '.join(allowed)}")
+    rules.sort(key=lambda r: r != cfg.train.release)  # the config's own rule first
     work = Path(args.workdir or tempfile.mkdtemp(prefix="dflash-bench-"))
     work.mkdir(parents=True, exist_ok=True)
     cli = [sys.executable, "-m", "dflash_stream"]
     common = [*args.overrides, "--eval.prompts=null"]
+    load_before = os.getloadavg()
 
     def where(name: str) -> list[str]:
         return [f"--output_dir={work / name}", f"--store.path={work / name / 'store'}"]
 
-    stream_cmd = [
-        sys.executable, "-m", "accelerate.commands.launch", "--config_file", args.launch, "-m", "dflash_stream",
-        "run", "--config", args.config, *common, *where("streaming"),
-    ]
-    streaming_seconds = _timed(stream_cmd, work / "streaming.log")
-    stream = json.loads(RunDir(work / "streaming").summary.read_text())
+    def stream(rule: str) -> tuple[float, dict[str, Any]]:
+        name = f"streaming-{rule}"
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", args.launch, "-m",
+               "dflash_stream", "run", "--config", args.config, *common, *where(name), f"--train.release={rule}"]
+        seconds = _timed(cmd, work / f"{name}.log")
+        return seconds, json.loads(RunDir(work / name).summary.read_text())
 
+    # Streaming under the config's rule, sequential, then streaming under the others: a load that changes during
+    # the bench falls on both sides.
+    runs = {rules[0]: stream(rules[0])}
     seq = [*common, *where("sequential"), f"--store.budget={UNBOUNDED}"]
     extract_seconds = _timed([*cli, "extract", "--config", args.config, *seq], work / "sequential-extract.log")
     train_seconds = _timed([*cli, "train", "--config", args.config, *seq], work / "sequential-train.log")
     sequential_seconds = extract_seconds + train_seconds
+    for rule in rules[1:]:
+        runs[rule] = stream(rule)
+    load_after = os.getloadavg()
 
     full_dump = peak_store_bytes(work / "sequential")
     layer_ids, hidden_size = store_layout(cfg)
-    tokens = stream["tokens_extracted"]
+    budget = int(cfg.store.budget)
+    streaming_seconds, first = runs[rules[0]]
+    tokens = first["tokens_extracted"]
     result: dict[str, Any] = {
         "config": args.config,
+        "release": rules[0],
         "streaming_seconds": round(streaming_seconds, 1),
         "sequential_seconds": round(sequential_seconds, 1),
         "sequential_extract_seconds": round(extract_seconds, 1),
         "sequential_train_seconds": round(train_seconds, 1),
         "ratio": round(streaming_seconds / sequential_seconds, 3),
         "ideal_ratio": round(max(extract_seconds, train_seconds) / sequential_seconds, 3),
-        "peak_store_bytes": stream["peak_store_bytes"],
-        "budget_bytes": int(cfg.store.budget),
+        "peak_store_bytes": first["peak_store_bytes"],
+        "budget_bytes": budget,
         "full_dump_raw_bytes": tokens * len(layer_ids) * hidden_size * 2,
         "full_dump_store_bytes": full_dump,
-        "budget_fraction_of_dump": round(int(cfg.store.budget) / full_dump, 3) if full_dump else None,
-        "peak_within_budget": stream["peak_store_bytes"] <= int(cfg.store.budget),
+        "budget_fraction_of_dump": round(budget / full_dump, 3) if full_dump else None,
+        "peak_within_budget": first["peak_store_bytes"] <= budget,
         "trainer_data_wait_fraction": round(
-            stream["trainer_data_wait_seconds"] / max(stream["train_seconds"], 1e-9), 3
+            first["trainer_data_wait_seconds"] / max(first["train_seconds"], 1e-9), 3
         ),
-        "samples_trained": stream["samples_trained"],
+        "samples_trained": first["samples_trained"],
         "tokens": tokens,
+        "rules": {rule: _streaming(summary, seconds, sequential_seconds, budget)
+                  for rule, (seconds, summary) in runs.items()},
+        "load_average": {"before": [round(x, 2) for x in load_before], "after": [round(x, 2) for x in load_after],
+                         "cores": os.cpu_count()},
         "workdir": str(work),
     }
     if args.json:
         print(json.dumps(result, indent=2))
     else:
         width = max(map(len, result))
-        print("\n".join(f"{k.ljust(width)}  {v}" for k, v in result.items()))
+        print("\n".join(f"{k.ljust(width)}  {v}" for k, v in result.items() if k != "rules"))
+        print("streaming under each release rule (train.release):")
+        for rule, r in result["rules"].items():
+            print(f"  {rule:<17} {r['seconds']:>7.1f} s (ratio {r['ratio']:.3f}), {r['checkpoints']} checkpoints in "
+                  f"{r['steps']} steps, training stood still {r['checkpoint_stall_seconds']:.1f} s for them "
+                  f"({r['checkpoint_stall_share']:.1%} of training), data wait {r['trainer_data_wait_fraction']:.1%}")
     return 0

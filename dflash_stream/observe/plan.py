@@ -2,9 +2,9 @@
 
 Everything comes from the config (plus the target's config.json / GGUF header when the model is local, the
 accelerate launch file, and OUTPUT/tune.json when `tune` has measured this model); every estimate carries the
-source it came from. The arithmetic a run checks too lives in `sizing/` (memory per role, the disk footprint,
-the roles' rates and the split of the launch); this module adds what only the plan shows (data volumes, the
-buffer's wraps, time per phase, checkpoints' cost, epochs) and renders the whole page.
+source it came from. The arithmetic lives in `sizing/` (memory per role, the disk footprint, the roles' rates and
+the split of the launch, checkpoints and crashes under each release rule); this module adds what only the plan
+shows (data volumes, the buffer's wraps, time per phase, epochs) and renders the whole page.
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ from typing import Any
 
 import yaml
 
-from dflash_stream.config import HOLDING_SHARE, REPLAY_WINDOW_BYTES, Config, ConfigError
+from dflash_stream.config import REPLAY_WINDOW_BYTES, Config, ConfigError
+from dflash_stream.sizing.checkpoints import CRASH_COST_WARN_SECONDS, checkpoint_costs
 from dflash_stream.sizing.disk import footprint_for, refusal
 from dflash_stream.sizing.inputs import plan_mean_tokens, plan_samples, read_tune
 from dflash_stream.sizing.memory import memory_plan
@@ -28,12 +29,6 @@ from dflash_stream.units import fmt_bytes, fmt_count, fmt_duration
 
 # The codec's design ratio (store/codecs.py, measured on SmolLM2-135M states) until `tune` measures this target.
 DESIGN_RATIO_NOTE = "measured on SmolLM2-135M states, README Benchmarks (run `tune` to measure this target)"
-# Effective write bandwidth of a checkpoint: rank 0 serialises the whole drafter and optimizer state, then fsyncs.
-# Local NVMe sustains more, network filesystems (NFS, Lustre under load) often less.
-ASSUMED_CHECKPOINT_WRITE = {"gpu": 1.0e9, "cpu": 0.5e9}
-# With train.async_checkpoint training stops only while the state is copied to host memory: `bench checkpoint`
-# measured 2.57 GB in 0.63 s beside a running optimizer on this project's 2-core CPU machine (~4 GB/s).
-ASSUMED_SNAPSHOT_COPY = 4.0e9
 CHECKPOINT_STALL_WARN = 0.05  # warn when checkpoints stop training for more than this share of its time
 THIN_MARGIN = 0.2  # warn when the disk left after the budget is under this fraction of the budget
 REUSE_WINDOW_STEPS_MEASURED = 4.5
@@ -48,7 +43,8 @@ PHASES = [
              "sharding over extractors (OUTPUT/data/)"),
     ("extract", "the target's forward up to the deepest captured layer: K layer states per token"),
     ("store", "compressed segments in the ring buffer at store.path, never more than store.budget on disk"),
-    ("train", "DFlash drafter steps on claimed segments; checkpoints (OUTPUT/checkpoints/) free the segments"),
+    ("train", "DFlash drafter steps on claimed segments, which leave the buffer once trained (train.release); "
+              "checkpoints in OUTPUT/checkpoints/"),
     ("export", "the drafter in z-lab format for vLLM/SGLang (OUTPUT/drafter/)"),
 ]
 
@@ -202,13 +198,7 @@ def build_plan(cfg: Config, samples: int | None = None, mean_tokens: float | Non
             "inside one `run` launch each extractor rank would hold a GPU it does not use")
     time_plan = _time_plan(cfg, shape, layer_ids, work, roles, n_samples, tokens, launch["num_processes"], tune)
     time_plan["checkpoints"] = checkpoint_plan(cfg, time_plan, volume, disk, roles, tokens)
-    stall = time_plan["checkpoints"]["stall_fraction"]
-    if stall is not None and stall > CHECKPOINT_STALL_WARN:
-        c = time_plan["checkpoints"]
-        warnings.append(
-            f"checkpoints stop training for {stall:.0%} of its time ({fmt_bytes(c['bytes'])} written every "
-            f"{fmt_duration(c['every_seconds'])}, {c['forced_by']}): raise store.budget (the release rule forces "
-            "fewer), or set train.optimizer_state_dtype: bfloat16 (smaller checkpoints)")
+    warnings += checkpoint_warnings(time_plan["checkpoints"])
     memory = memory_plan(cfg, shape, layer_ids, device_kind(cfg), gpu_memory, launch["processes_per_machine"],
                          single=roles["mode"] == "single")
     warnings += [f"the {role} does not fit its device ({fmt_bytes(memory[role]['total_bytes'])} of "
@@ -327,47 +317,41 @@ def _time_plan(cfg: Config, shape: TargetShape, layer_ids: list[int], work: dict
 
 def checkpoint_plan(cfg: Config, time_plan: dict[str, Any], volume: dict[str, Any], disk: dict[str, Any],
                     roles: dict[str, Any], tokens: float | None) -> dict[str, Any]:
-    """How often trainers checkpoint and what it costs them. A finished segment leaves the buffer only at a
-    durable checkpoint, so a small budget forces checkpoints: when training is the slower side the buffer is full
-    of ready segments and a checkpoint comes each time finished ones reach HOLDING_SHARE of the budget; when
-    extraction is slower, trainers keep up and the buffer fills with finished segments, forcing one per budget's
-    worth of extraction. `train.checkpoint_every` applies when it comes first."""
-    size = disk["parts"]["checkpoints"] / (cfg.train.keep_checkpoints + 1)
-    bandwidth = ASSUMED_CHECKPOINT_WRITE[device_kind(cfg)]
-    write = size / bandwidth
-    background = cfg.train.async_checkpoint
-    out: dict[str, Any] = {
-        "bytes": size, "every_seconds": None, "write_seconds": write,
-        "stall_seconds": size / ASSUMED_SNAPSHOT_COPY if background else write, "stall_fraction": None,
-        "count": None, "forced_by": None,
-        "source": f"write at an assumed {bandwidth / 1e9:g} GB/s effective (one rank serialises the state, "
-                  "then fsync)" + (f", in the background; training stops for the host snapshot at an assumed "
-                                   f"{ASSUMED_SNAPSHOT_COPY / 1e9:g} GB/s (`bench checkpoint`)" if background else ""),
-    }
+    """Checkpoints and a crash's cost under each release rule, from this plan's rates (`sizing/checkpoints.py`)."""
     phases = time_plan["phases"]
-    if not tokens or "seconds" not in phases["train"]:
-        return out
-    budget, stored = int(cfg.store.budget), volume["stored_bytes_per_token"]
-    train_tok_s = phases["train"]["tok_s_per_process"] * phases["train"]["processes"]
-    freed_bytes_s = train_tok_s * stored / cfg.store.reuse  # a segment is finished after its last use
-    # States arrive at the extraction side's pace: regeneration then extraction on the extractors (engine hf), or
-    # the slower of the servers and the extractors (engine openai).
-    extract_s = time_plan["extract_side_seconds"]
-    written_bytes_s = tokens * cfg.extraction_passes * stored / extract_s
-    if written_bytes_s >= freed_bytes_s:
-        forced, why = HOLDING_SHARE * budget / freed_bytes_s, "training is the slower side"
-    else:
-        forced, why = budget / written_bytes_s, "extraction is the slower side"
-    step_s = cfg.train.batch_tokens * cfg.train.grad_accum * roles["trainers"] / train_tok_s
-    scheduled = cfg.train.checkpoint_every * step_s
-    every = min(forced, scheduled)
-    out.update(
-        every_seconds=every, stall_fraction=out["stall_seconds"] / (every + out["stall_seconds"]),
-        count=math.ceil(phases["train"]["seconds"] / every),
-        forced_by=(f"the release rule at store.budget {fmt_bytes(budget)} ({why})" if forced < scheduled
-                   else f"train.checkpoint_every {cfg.train.checkpoint_every} steps"),
-    )
-    return out
+    train, extract = phases["train"], phases["extract"]
+    train_tok_s = train["tok_s_per_process"] * train["processes"]
+    return checkpoint_costs(
+        cfg, checkpoint_bytes=disk["parts"]["checkpoints"] / (cfg.train.keep_checkpoints + 1), kind=device_kind(cfg),
+        train_seconds=train.get("seconds"), train_tok_s=train_tok_s,
+        step_seconds=cfg.train.batch_tokens * cfg.train.grad_accum * roles["trainers"] / train_tok_s,
+        extract_side_seconds=time_plan["extract_side_seconds"],
+        # One process alternating extracts at one extractor's pace.
+        extract_tok_s=extract["tok_s_per_process"] * max(extract["processes"], 1), tokens=tokens,
+        stored_bytes_per_token=volume["stored_bytes_per_token"])
+
+
+def checkpoint_warnings(c: dict[str, Any]) -> list[str]:
+    """When the configured release rule's checkpoints stop training too long, or a crash costs too much."""
+    warnings = []
+    if c["stall_fraction"] is not None and c["stall_fraction"] > CHECKPOINT_STALL_WARN:
+        knob = ("raise store.budget (the release rule forces fewer), set train.release: on_use (checkpoints on "
+                "your clock)" if c["rule"] == "after_checkpoint" else
+                "raise train.checkpoint_every_s or train.checkpoint_every")
+        warnings.append(
+            f"checkpoints stop training for {c['stall_fraction']:.0%} of its time ({fmt_bytes(c['bytes'])} written "
+            f"every {fmt_duration(c['every_seconds'])}, {c['forced_by']}): {knob}, or set "
+            "train.optimizer_state_dtype: bfloat16 (smaller checkpoints)")
+    chosen = c["rules"][c["rule"]]
+    if chosen is not None and chosen["crash_seconds"] > CRASH_COST_WARN_SECONDS:
+        again = (f" and {fmt_duration(chosen['reextract_seconds'])} of re-extraction" if chosen["reextract_seconds"]
+                 else "")
+        warnings.append(
+            f"one crash may cost {fmt_duration(chosen['crash_seconds'])}: "
+            f"{fmt_duration(chosen['training_lost_seconds'])} of training since the latest checkpoint{again}: lower "
+            "train.checkpoint_every_s" + (", or set train.release: after_checkpoint when extraction costs far more "
+                                          "than training" if c["rule"] == "on_use" else ""))
+    return warnings
 
 
 def _epoch_costs(cfg: Config, time_plan: dict, volume: dict, tokens: float | None) -> dict[str, Any]:
@@ -487,6 +471,8 @@ def render_plan(plan: dict[str, Any]) -> str:
                    f"[{c['source']}]")
     out.append(f"  {'export':<8}{'-':>10}  {tp['phases']['export']['source']}")
     out.append(f"  {'total':<8}{fmt_duration(tp['total_seconds']):>10}")
+    if c:
+        out += ["", *render_release(c)]
     e = plan["epochs"]
     out += ["", f"epochs  {e['epochs']} with epoch_source={e['chosen']}"]
     for name in ("reuse", "reextract"):
@@ -496,6 +482,24 @@ def render_plan(plan: dict[str, Any]) -> str:
     out += render_store_cores(plan["store_cores"])
     out += [f"\nwarning: {w}" for w in plan["warnings"]]
     return "\n".join(out)
+
+
+def render_release(c: dict[str, Any]) -> list[str]:
+    """Both release rules side by side: their checkpoints and what one crash costs (-> the configured one)."""
+    out = [f"release  train.release: {c['rule']}" + (f"  ({c['why']})" if c["why"] else "")]
+    if c["rules"][c["rule"]] is None:
+        return [*out, "  (checkpoint counts need the data's size and the rates)"]
+    out.append(f"  {'':<20}{'checkpoints':>12}{'written':>12}{'stall':>8}{'every':>10}   one crash costs at most: "
+               "training lost + re-extraction")
+    for rule, r in c["rules"].items():
+        mark = "->" if rule == c["rule"] else ""
+        again = fmt_duration(r["reextract_seconds"]) if r["reextract_seconds"] else "none"
+        out.append(f"  {mark:<3}{rule:<17}{r['count']:>12,}{fmt_bytes(r['bytes_written']):>12}"
+                   f"{r['stall_fraction']:>8.2%}{fmt_duration(r['every_seconds']):>10}   "
+                   f"{fmt_duration(r['training_lost_seconds'])} + {again}"
+                   + (f" ({fmt_count(r['reextract_tokens'])} tokens)" if r["reextract_seconds"] else "")
+                   + f"  [{r['forced_by']}]")
+    return out
 
 
 def render_memory(mem: dict[str, Any]) -> list[str]:

@@ -2,7 +2,10 @@
 
 Expected ids come from the extractors' data reports (the ids that survived filtering). Trained ids come from
 the trainers' ledgers, counted only up to the latest complete checkpoint: a ledger file past it belongs to a
-checkpoint that never finished. Every path is read through `RunDir`.
+checkpoint that never finished, whose training a resume rolled back. Samples trained from a replacement segment
+(extracted again: a damaged segment's, or uses released after a checkpoint and rolled back by a crash, with
+train.release on_use) are marked in the ledger with the redo tag they answer and counted as `redone`; the store's
+records of both are listed. Every path is read through `RunDir`.
 """
 
 from __future__ import annotations
@@ -26,15 +29,19 @@ def _expected_ids(run: RunDir) -> set[int]:
     return ids
 
 
-def _trained_per_epoch(run: RunDir, upto_step: int) -> dict[int, Counter[int]]:
+def _trained_per_epoch(run: RunDir, upto_step: int) -> tuple[dict[int, Counter[int]], Counter[int]]:
+    """(epoch -> trained ids counted, epoch -> sample uses of them trained from replacement segments)."""
     per_epoch: dict[int, Counter[int]] = {}
+    redone: Counter[int] = Counter()
     for step, part in run.ledger_files():
         if step > upto_step:
             continue
         for line in part.read_text().splitlines():
             entry = json.loads(line)
             per_epoch.setdefault(entry["epoch"], Counter()).update(entry["sample_ids"])
-    return per_epoch
+            if "redo" in entry:
+                redone[entry["epoch"]] += len(entry["sample_ids"])
+    return per_epoch, redone
 
 
 def audit_run(output_dir: str | Path) -> dict[str, Any]:
@@ -46,7 +53,7 @@ def audit_run(output_dir: str | Path) -> dict[str, Any]:
     epochs, max_steps = train.get("epochs", 1), train.get("max_steps")
     expected = _expected_ids(run)
     step = checkpoint_step(run.latest_checkpoint())
-    per_epoch = _trained_per_epoch(run, step)
+    per_epoch, redone = _trained_per_epoch(run, step)
     passes = []
     for epoch in range(max(epochs, max(per_epoch, default=-1) + 1)):
         counts = per_epoch.get(epoch, Counter())
@@ -58,6 +65,7 @@ def audit_run(output_dir: str | Path) -> dict[str, Any]:
                 "missing": len(expected - counts.keys()),
                 "duplicated": sum(1 for n in counts.values() if n > 1),
                 "unexpected": len(counts.keys() - expected),
+                "redone": redone[epoch],
             }
         )
     finished = run.summary.exists()
@@ -70,7 +78,8 @@ def audit_run(output_dir: str | Path) -> dict[str, Any]:
     store = config.get("store", {}).get("path")
     return {"output": str(run.root), "finished": finished, "passes": passes, "ok": ok,
             "stopped_by": f"train.max_steps={max_steps}" if stopped else None, "step": step,
-            "quarantined": _quarantined(Path(store)) if store else []}
+            "quarantined": _quarantined(Path(store)) if store else [],
+            "rolled_back": _rolled_back(Path(store)) if store else []}
 
 
 def _quarantined(store: Path) -> list[dict[str, Any]]:
@@ -82,12 +91,32 @@ def _quarantined(store: Path) -> list[dict[str, Any]]:
     return found
 
 
+def _rolled_back(store: Path) -> list[dict[str, Any]]:
+    """Segment uses released after a checkpoint and undone by a crash (train.release on_use): what was asked
+    to be extracted again, and whether its replacement came."""
+    from dflash_stream.store import Store
+
+    if not (store / "store.json").is_file():
+        return []
+    return [{"tag": r["tag"], "uses": r["last_use"] - r["first_use"] + 1, "samples": len(r["sample_ids"]),
+             "redone": r["redone"], "reason": r["reason"]} for r in Store.attach(store).rollbacks()]
+
+
 def format_audit(report: dict[str, Any]) -> str:
     head = f"audit of {report['output']} ({'finished' if report['finished'] else 'not finished'})"
     rows = [f"  epoch {p['epoch']}: expected {p['expected']}, trained {p['trained']}, missing {p['missing']}, "
-            f"duplicated {p['duplicated']}, unexpected {p['unexpected']}" for p in report["passes"]]
+            f"duplicated {p['duplicated']}, unexpected {p['unexpected']}"
+            + (f" ({p['redone']} of them from samples extracted again)" if p.get("redone") else "")
+            for p in report["passes"]]
     rows += [f"  quarantined segment {q['segment_id']}: {len(q['sample_ids'])} sample(s), extracted and trained again"
              for q in report.get("quarantined", [])]
+    rolled = report.get("rolled_back", [])
+    if rolled:
+        uses = sum(r["uses"] * r["samples"] for r in rolled)
+        waiting = sum(not r["redone"] for r in rolled)
+        rows.append(f"  rolled back by crashes: {uses} sample use(s) of {len(rolled)} segment part(s) released after "
+                    "the checkpoint resumed from, extracted and trained again"
+                    + (f"; {waiting} part(s) not extracted again yet" if waiting else ""))
     if report.get("stopped_by"):
         reached = sum(p["trained"] for p in report["passes"])
         expected = sum(p["expected"] for p in report["passes"])

@@ -29,12 +29,13 @@ from dflash_stream.pipeline.common import (
     log_store_event,
     pass_order,
 )
+from dflash_stream.pipeline.cores import HostCores
 from dflash_stream.pipeline.packing import SegmentPacker
 from dflash_stream.pipeline.roles import RoleInfo
 from dflash_stream.pipeline.state_health import StateHealth
 from dflash_stream.regenerate.cache import ResponseCache, answers_key, describe_other_caches
 from dflash_stream.regenerate.phase import ServerRegenerator, summary_lines
-from dflash_stream.store import Sample, Store, WriterStopped, sizes
+from dflash_stream.store import Sample, Store, StoreFull, WriterStopped, sizes
 from dflash_stream.target_model import (
     TargetShape,
     load_target,
@@ -139,6 +140,8 @@ class Extractor:
         self.tokenizer, shape, stop_ids = self._open_target(target)
         self.layer_ids = resolve_layer_ids(shape.num_layers, cfg.target)
         self.health = StateHealth(self.layer_ids, shape.hidden_size, cfg.extract.engine)
+        # A CPU run's extractors take the trainers' cores while the store holds nothing for them to train.
+        self._cores = HostCores(device, peers=role.count)
         self.samples, self.report = prepare_shard(cfg, self.tokenizer, role.index, role.count)
         self.cache: ResponseCache | None = None
         self._server: ServerRegenerator | None = None
@@ -188,8 +191,8 @@ class Extractor:
     def run(self, until_full: bool = False) -> bool:
         """Extract until this rank's share is in the store (True), or, with `until_full`, until the buffer is
         full (False; call again once the trainer has freed room). Samples of damaged segments that a trainer
-        quarantined are extracted again first."""
-        self.redo_quarantined()
+        quarantined, or of uses a crash rolled back, are extracted again first."""
+        self.redo_quarantined(block=not until_full)
         if self._done:
             return True
         if self._bar is None:
@@ -220,16 +223,18 @@ class Extractor:
         self._done = True
         return True
 
-    def redo_quarantined(self) -> int:
-        """Extract again the samples of this writer's quarantined segments, one replacement segment per part
-        (see `SegmentConsumer.quarantine`); returns the number of parts written."""
+    def redo_quarantined(self, block: bool = True) -> int:
+        """Extract again the samples of this writer's quarantined segments (see `SegmentConsumer.quarantine`) and
+        of its segment uses a crash rolled back (`Store.request_redo`), one replacement segment per part; returns
+        the number of parts written. `block` off: stop at the first part the full buffer has no room for."""
         requests = self.store.redo_requests(self.writer.id)
         by_id = {s.sample_id: s for s in self.samples}
+        written = 0
         for tag, part in requests:
             missing = [i for i in part["sample_ids"] if i not in by_id]
             if missing:
-                raise DFlashError(f"quarantined segment {tag} holds samples {missing[:5]} that this extractor's shard "
-                                  "does not have; rerun with the same data and number of extractors")
+                raise DFlashError(f"redo part {tag} holds samples {missing[:5]} that this extractor's shard does not "
+                                  "have; rerun with the same data and number of extractors")
             todo = [by_id[i] for i in part["sample_ids"]]
             if self.cache is not None:
                 todo = self._respond(todo)  # the cached responses: the same samples as the first time
@@ -244,19 +249,26 @@ class Extractor:
                         stored.append(Sample(p.sample_id, p.input_ids, p.loss_mask, states[row, : p.num_tokens].clone()))
                         self.health.check(p, stored[-1].hidden_states)
                 start = end
-            info = self.writer.write(stored, pass_index=part["pass_index"], first_use=part["first_use"], replaces=tag)
+            try:
+                info = self.writer.write(stored, pass_index=part["pass_index"], block=block,
+                                         first_use=part["first_use"], replaces=tag)
+            except StoreFull:  # single-process mode: the trainer frees room, then the next round writes it
+                return written
+            written += 1
             self.health.segment([s.sample_id for s in stored])  # checked above; only new segments are logged
-            log.info("extracted the %d sample(s) of quarantined part %s again: segment %s (from use %d)",
+            log.info("extracted the %d sample(s) of redo part %s again: segment %s (from use %d)",
                      len(stored), tag, info.segment_id, part["first_use"])
-        return len(requests)
+        return written
 
     def serve_redo(self, training_over) -> None:
-        """After this rank's data: stay to extract again whatever a trainer quarantines, until the store is drained
-        or `training_over()` (a trainer that stops at train.max_steps leaves segments unconsumed)."""
+        """After this rank's data: stay to extract again whatever a trainer quarantines or a crash rolls back, until
+        the store is drained or `training_over()` (a trainer that stops at train.max_steps leaves segments
+        unconsumed)."""
         said = False
         while not (self.store.drained() or training_over()):
             if not said:
-                log.info("all data extracted; staying to extract again any segment a trainer finds damaged")
+                log.info("all data extracted; staying to extract again any segment a trainer finds damaged or a "
+                         "crash rolls back")
                 said = True
             if not self.redo_quarantined():
                 time.sleep(1.0)
@@ -301,6 +313,7 @@ class Extractor:
         todo = [batch]
         while todo:
             part = todo.pop(0)
+            self._cores.use(not self.store.work_for_consumers())
             try:
                 states, ready = self._capture(part)
             except torch.OutOfMemoryError:
@@ -395,6 +408,7 @@ class Extractor:
         for first in range(0, len(missing), gen.batch_size):
             chunk = missing[first : first + gen.batch_size]
             budget = min(gen.max_new_tokens, max_length - chunk[0].num_tokens)
+            self._cores.use(not self.store.work_for_consumers())
             started = time.perf_counter()
             responses = generate_responses(self.model, self.tokenizer, [s.input_ids for s in chunk], gen, budget)
             self._generate_seconds += time.perf_counter() - started

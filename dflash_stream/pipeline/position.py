@@ -1,8 +1,10 @@
 """Where one trainer rank is in the data: the segment uses it holds and which of their samples it trained.
 
-Exactly-once rests on this record. A checkpoint saves it (`state_dict`: the finished uses, to release, and the
-half-trained ones, with the ids already trained); a resume loads it (`load_state_dict`), which releases what was
-finished and re-queues the untrained rest of every half-trained segment, so nothing is lost or trained twice.
+Exactly-once rests on this record. A checkpoint saves it (`state_dict`: the finished uses not yet released, and
+the half-trained ones, with the ids already trained); a resume loads it (`load_state_dict`), which releases what
+was finished, asks for the uses released after the checkpoint to be extracted again (train.release on_use,
+`rollback.py`), and re-queues the untrained rest of every half-trained segment, so nothing is lost or trained
+twice.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from dflash_stream.drafter.batches import Member, TokenBatcher
 from dflash_stream.log import get_logger
+from dflash_stream.pipeline.rollback import ReleaseJournal, claim_from_record, redo_parts
 
 if TYPE_CHECKING:
     from dflash_stream.store import Claim, SegmentConsumer, Store, StoredSample
@@ -33,22 +36,29 @@ class SegmentUse:
         return not self.remaining
 
 
-def claim_from_record(record: dict[str, Any]) -> Claim:
-    from dflash_stream.store import Claim
-
-    return Claim(**{**record, "sample_ids": tuple(record["sample_ids"])})
+def _ledger_entry(claim: Claim, sample_ids: list[int]) -> dict[str, Any]:
+    """One ledger line; a replacement's samples (extracted again) are marked with the redo tag it answers."""
+    entry: dict[str, Any] = {"segment": claim.segment_id, "epoch": claim.epoch, "sample_ids": list(sample_ids)}
+    if claim.replaces is not None:
+        entry["redo"] = claim.replaces
+    return entry
 
 
 class DataPosition:
     """The segment uses of consumer `consumer_id` and their samples queued in `batcher`. `consumer` exists
-    once `load_state_dict` ran (with the empty state `EMPTY` for a fresh start)."""
+    once `load_state_dict` ran (with the empty state `EMPTY` for a fresh start). `journal`: the release journal
+    of `release_used` (train.release on_use), which a resume reads whatever the rule."""
 
     EMPTY: dict[str, list] = {"finished": [], "partial": []}
 
-    def __init__(self, store: Store, consumer_id: str, batcher: TokenBatcher) -> None:
-        self.store, self.consumer_id, self.batcher = store, consumer_id, batcher
+    def __init__(self, store: Store, consumer_id: str, batcher: TokenBatcher, journal: ReleaseJournal) -> None:
+        self.store, self.consumer_id, self.batcher, self.journal = store, consumer_id, batcher, journal
         self.uses: dict[str, SegmentUse] = {}
         self.consumer: SegmentConsumer
+        self.released_entries: list[dict[str, Any]] = []
+        """Ledger lines of uses released since the latest checkpoint was taken (they left `uses`)."""
+        self.rolled_back: list[dict[str, Any]] = []
+        """The redo parts the last `load_state_dict` asked for."""
 
     def __len__(self) -> int:
         """Segment uses held, finished or not."""
@@ -75,9 +85,9 @@ class DataPosition:
         return sum(use.claim.bytes for use in self.uses.values() if use.done)
 
     def ledger_entries(self) -> list[dict[str, Any]]:
-        """The audit's ledger lines: each use's samples trained since the previous checkpoint."""
-        return [{"segment": u.claim.segment_id, "epoch": u.claim.epoch, "sample_ids": list(u.since_checkpoint)}
-                for u in self.uses.values() if u.since_checkpoint]
+        """The audit's ledger lines: each use's samples trained since the previous checkpoint, released or not."""
+        return self.released_entries + [_ledger_entry(u.claim, u.since_checkpoint)
+                                        for u in self.uses.values() if u.since_checkpoint]
 
     def state_dict(self) -> dict[str, list]:
         """Copies, not views: a background checkpoint writes them while training appends to the live lists."""
@@ -93,6 +103,7 @@ class DataPosition:
         checkpoint even if this one becomes durable after they finished (it does not record them)."""
         for use in self.uses.values():
             use.since_checkpoint = []
+        self.released_entries = []
         return [u.claim for u in self.uses.values() if u.done]
 
     def release(self, finished: list[Claim]) -> int:
@@ -103,34 +114,58 @@ class DataPosition:
             del self.uses[claim.segment_id]
         return len(finished)
 
+    def release_used(self, step: int) -> int:
+        """train.release on_use: let every finished use leave the store now, journaled first as released with
+        step `step`'s update (which must hold their last samples); their ledger lines wait for the next
+        checkpoint. The number released."""
+        finished = [u for u in self.uses.values() if u.done]
+        if not finished:
+            return 0
+        claims = [u.claim for u in finished]
+        self.journal.record(step, claims)
+        self.consumer.release(claims)
+        for use in finished:
+            if use.since_checkpoint:
+                self.released_entries.append(_ledger_entry(use.claim, use.since_checkpoint))
+            del self.uses[use.claim.segment_id]
+        return len(claims)
+
     def release_finished(self) -> int:
         """After a durable checkpoint written just now (training stood still): release the finished uses it
         recorded and start the next ledger."""
         return self.release(self.checkpoint_taken())
 
-    def load_state_dict(self, state: dict[str, list]) -> None:
-        """Open the consumer keeping the claims `state` records, release the finished ones, re-queue the
-        untrained samples of the half-trained ones; every other claim of this consumer goes back to READY."""
+    def load_state_dict(self, state: dict[str, list], step: int = 0) -> None:
+        """Open the consumer keeping the claims `state` (checkpoint step `step`) records, release the finished
+        ones, have the uses released after the checkpoint extracted again, and re-queue the untrained samples of
+        the half-trained ones; every other claim of this consumer goes back to READY."""
         from dflash_stream.store import CorruptChunk, StoreError
 
         finished = [claim_from_record(r) for r in state["finished"]]
         partial = [(claim_from_record(r["claim"]), r["trained"]) for r in state["partial"]]
-        half_done = [claim.segment_id for claim, _ in partial]
-        if finished:
-            consumer = self.store.consumer(self.consumer_id, keep=[c.segment_id for c in finished] + half_done)
+        lost = self.journal.released_after(step)
+        if finished or lost:
+            held = finished + [claim for claim, _ in partial] + lost
+            consumer = self.store.consumer(self.consumer_id, keep=[c.segment_id for c in held])
             released = 0
-            for claim in finished:
-                # Trained and recorded, so never retrained. The crash may have come before their release, or
-                # after it (then the store no longer holds this use for us, and says so).
+            # Finished ones: trained and recorded, so never retrained. Lost ones: journaled as released, so
+            # extracted again below. The crash may have come before their release, or after it (then the store no
+            # longer holds this use for us, and says so).
+            for claim in finished + lost:
                 try:
                     consumer.release([claim])
-                    released += 1
+                    released += claim in finished
                 except StoreError:
                     continue
             if released:
                 log.info("released %d segment use(s) finished before the restart", released)
-        # `keep` matches segment ids, so it also kept any later use of a finished segment that we had claimed
-        # after releasing it; that use was not trained and goes back to READY now.
+        if lost:
+            self._roll_back(lost, partial, step)
+        lost_uses = {(c.segment_id, c.use_index) for c in lost}
+        partial = [(claim, trained) for claim, trained in partial if (claim.segment_id, claim.use_index) not in lost_uses]
+        half_done = [claim.segment_id for claim, _ in partial]
+        # `keep` matches segment ids, so it also kept any later use of a finished or lost segment that we had
+        # claimed after releasing it; that use was not trained and goes back to READY now.
         self.consumer = self.store.consumer(self.consumer_id, keep=half_done)
         for claim, trained in partial:
             done = set(trained)
@@ -141,3 +176,17 @@ class DataPosition:
                 continue
             self.uses[claim.segment_id] = SegmentUse(claim, set(claim.sample_ids) - done, list(trained))
             self.batcher.add(claim.segment_id, samples)
+
+    def _roll_back(self, lost: list[Claim], partial: list[tuple[Claim, list[int]]], step: int) -> None:
+        """The uses `lost` were released after checkpoint `step` and their training since it is undone: ask
+        their writers to extract again the samples the checkpoint does not record as trained, then forget them
+        (the requests are durable first, so a crash in between asks again, for the same parts)."""
+        trained = {(claim.segment_id, claim.use_index): set(ids) for claim, ids in partial}
+        self.rolled_back = redo_parts(lost, trained)
+        self.store.request_redo(self.rolled_back, f"released by {self.consumer_id} after checkpoint step {step}, "
+                                                  "whose training a crash undid")
+        self.journal.clear()
+        uses = sum(len(p["sample_ids"]) * (p["last_use"] - p["first_use"] + 1) for p in self.rolled_back)
+        log.info("rolled back %d segment use(s) released after checkpoint step %d: %d sample use(s) to train again, "
+                 "%d sample(s) to extract again (%d part(s))", len(lost), step, uses,
+                 sum(len(p["sample_ids"]) for p in self.rolled_back), len(self.rolled_back))

@@ -25,7 +25,7 @@ from dflash_stream.observe.metrics import MetricsWriter
 from dflash_stream.pipeline.common import log_store_event, pass_order, store_fingerprint
 from dflash_stream.pipeline.packing import SegmentPacker
 from dflash_stream.pipeline.roles import RoleInfo
-from dflash_stream.store import Sample, SegmentInfo, Store, StoredSample
+from dflash_stream.store import Sample, SegmentInfo, Store, StoredSample, StoreFull
 from dflash_stream.store.segment import read_segment
 from dflash_stream.store.store import FIELD_WORDS
 
@@ -97,7 +97,7 @@ class StoreReplay:
     def run(self, until_full: bool = False) -> bool:
         """Replay until this rank's share is in the store (True), or, with `until_full`, until the buffer is full
         (False; call again once a trainer has freed room)."""
-        self.redo_quarantined()
+        self.redo_quarantined(block=not until_full)
         if self._done:
             return True
         if self._bar is None:
@@ -121,20 +121,28 @@ class StoreReplay:
         self._done = True
         return True
 
-    def redo_quarantined(self) -> int:
-        """Write again, from the kept store, the samples of this writer's segments a trainer found damaged."""
-        requests = self.store.redo_requests(self.writer.id)
-        for tag, part in requests:
+    def redo_quarantined(self, block: bool = True) -> int:
+        """Write again, from the kept store, the samples of this writer's segments a trainer found damaged or a
+        crash rolled back; the number of parts written (`block` off: stop at the first one the full buffer has no
+        room for)."""
+        written = 0
+        for tag, part in self.store.redo_requests(self.writer.id):
             wanted = set(part["sample_ids"])
             found = [s for info in self.segments if wanted & set(info.sample_ids) for s in self._read(info)
                      if s.sample_id in wanted]
-            info = self.writer.write(found, pass_index=part["pass_index"], first_use=part["first_use"], replaces=tag)
-            log.info("replayed the %d sample(s) of quarantined part %s again: segment %s (from use %d)",
+            try:
+                info = self.writer.write(found, pass_index=part["pass_index"], block=block,
+                                         first_use=part["first_use"], replaces=tag)
+            except StoreFull:
+                return written
+            written += 1
+            log.info("replayed the %d sample(s) of redo part %s again: segment %s (from use %d)",
                      len(found), tag, info.segment_id, part["first_use"])
-        return len(requests)
+        return written
 
     def serve_redo(self, training_over) -> None:
-        """After this rank's data: replay again whatever a trainer quarantines, until training is over."""
+        """After this rank's data: replay again whatever a trainer quarantines or a crash rolls back, until training
+        is over."""
         while not (self.store.drained() or training_over()):
             if not self.redo_quarantined():
                 time.sleep(1.0)

@@ -1,5 +1,12 @@
-"""The trainer loop and `dflash-stream train`: consume READY segments, train the DFlash drafter, checkpoint,
-and only then release what the checkpoint records (the store's exactly-once invariant).
+"""The trainer loop and `dflash-stream train`: consume READY segments, train the DFlash drafter, release what
+was trained, checkpoint.
+
+When a trained segment use leaves the store is train.release: on_use (the default), right after the step that
+trained its last samples, journaled first, so that a crash has the uses released since the latest checkpoint
+extracted again (`rollback.py`), and checkpoints come every train.checkpoint_every steps or
+train.checkpoint_every_s seconds; after_checkpoint, only once a durable checkpoint records it, so a full buffer
+forces checkpoints (the deadlock rule in `run`). Either way every sample is trained once per epoch in the final
+weights (the store's exactly-once invariant).
 
 Every trainer rank claims its own segments (consumer id `trainer-<index>`), so ranks run out of data at
 different times. To keep collectives in lockstep, every step all ranks all-reduce one small vector (flags and
@@ -39,9 +46,11 @@ from dflash_stream.observe.metrics import MetricsWriter, TrainingTracker
 from dflash_stream.pipeline import checkpoint as ckpt
 from dflash_stream.pipeline.checkpoint_writer import CheckpointWriter, SharedState
 from dflash_stream.pipeline.common import log_store_event
+from dflash_stream.pipeline.cores import HostCores
 from dflash_stream.pipeline.position import DataPosition
 from dflash_stream.pipeline.rng import RngState
 from dflash_stream.pipeline.roles import RoleInfo
+from dflash_stream.pipeline.rollback import ReleaseJournal
 from dflash_stream.pipeline.schedule import WarmupCosine
 from dflash_stream.pipeline.signals import StopRequest
 from dflash_stream.pipeline.stats import StepStats
@@ -115,7 +124,9 @@ class Trainer:
         # The data: this rank's segment uses, their samples queued in batches, the reader decoding ahead
         plan = ShapePlan.from_config(cfg)
         self.batcher = TokenBatcher(plan)
-        self.position = DataPosition(store, f"trainer-{self.index}", self.batcher)
+        self.position = DataPosition(store, f"trainer-{self.index}", self.batcher,
+                                     ReleaseJournal(self.run_dir.root, self.index))
+        self.release_on_use = tc.release == "on_use"
         # Fixed shapes where attention is compiled: one graph per length bucket instead of one per batch.
         self.fixed_shapes = fixed_shapes_on(cfg, self.drafter.uses_flex(device))
         self.compile_watch = CompileWatch(len(plan) if self.fixed_shapes else MAX_LENGTH_BUCKETS)
@@ -130,8 +141,10 @@ class Trainer:
         self.final_loss: float | None = None
         self.train_seconds = 0.0
         self.latest_checkpoint: Path | None = None
-        # What checkpoints cost this launch: the release rule makes them frequent under a small budget.
+        # What checkpoints cost this launch: release after_checkpoint makes them frequent under a small budget.
         self.checkpoints = 0
+        self.released_uses = 0  # segment uses released this launch
+        self._last_checkpoint_time = time.monotonic()  # train.checkpoint_every_s counts from here
         self.checkpoint_stall_seconds = 0.0  # training stood still: the write, the barriers, the release
         self.checkpoint_write_seconds = 0.0  # this rank's writing and syncing (in the background: not a stall)
         self.async_checkpoint = tc.async_checkpoint
@@ -142,6 +155,9 @@ class Trainer:
         self._last_checkpoint_step = 0
         self._finished = False
         self.data_wait = DataWait(store, WAIT_POLL_SECONDS)  # its timeout is `train --wait-timeout`
+        # A CPU run's trainers take the extractors' cores once all the data is extracted.
+        self.cores = HostCores(device, peers=self.trainers)
+        self._extraction_over = False
         self.stats = StepStats(self.spec.block_size)
         self.stop = StopRequest()
 
@@ -162,7 +178,7 @@ class Trainer:
         if dropped:
             log.info("dropped %d ledger file(s) of an unfinished checkpoint after step %d", len(dropped), step)
         if path is None:
-            self.position.load_state_dict(DataPosition.EMPTY)
+            self.position.load_state_dict(DataPosition.EMPTY, step)
             return
         shared, part = ckpt.load(path, self.index, self.trainers)
         # safetensors takes `cpu`, not the `cpu:0` a multi-process CPU launch gives each rank.
@@ -174,7 +190,7 @@ class Trainer:
         self.tokens_trained, self._all_samples_trained = shared["tokens"], shared["samples"]
         self.rng.load_state_dict(part)
         self.samples_trained = part["samples_trained"]
-        self.position.load_state_dict(part)
+        self.position.load_state_dict(part, step)
         self.latest_checkpoint = path
         log.info("resumed from %s: step %d, %d half-trained segment(s) re-claimed", path, self.steps,
                  len(part["partial"]))
@@ -221,6 +237,7 @@ class Trainer:
         # Durable now: what it records as finished may leave the store.
         released = self.position.release_finished()
         self._last_checkpoint_step = self.steps
+        self._last_checkpoint_time = time.monotonic()
         self._checkpoint_done(self.steps, reason, saved, released, time.perf_counter() - started, background=False)
 
     def _start_background(self, reason: str) -> None:
@@ -232,6 +249,7 @@ class Trainer:
         self.writer.start(self.steps, rank_state=rank_state, ledger=ledger,
                           shared=self._shared_state if self.index == 0 else None)
         self._last_checkpoint_step = self.steps
+        self._last_checkpoint_time = time.monotonic()
         self._pending = _Pending(self.steps, reason, finished, time.perf_counter() - started)
 
     def _drain(self) -> None:
@@ -258,6 +276,7 @@ class Trainer:
         self.checkpoint_stall_seconds += stall
         self.checkpoint_write_seconds += saved.write_seconds
         self.latest_checkpoint = saved.path
+        self.position.journal.forget_upto(step)  # the checkpoint holds every use released up to its step
         self._revise_schedule()
         how = "written in the background in" if background else "writing"
         log.info("checkpoint step-%d (%s); released %d segment use(s); training stood still %.2f s (%.2f s %s %s)",
@@ -276,6 +295,7 @@ class Trainer:
         `until_idle` once no decoded or READY segment is left (checkpointed and released, never blocking).
         Whatever it returns, no checkpoint is left being written in the background."""
         every = self.cfg.train.checkpoint_every
+        every_s = self.cfg.train.checkpoint_every_s
         self._revise_schedule()
         with self.stop:
             while True:
@@ -285,6 +305,9 @@ class Trainer:
                     return True
 
                 # One step: forward/backward this rank's micro-batches, agree with the other ranks, update.
+                if self.cores.enabled and not self._extraction_over:
+                    self._extraction_over = self.store.end_of_data
+                    self.cores.use(self._extraction_over)
                 started = time.perf_counter()
                 flags = self._sync(*self._accumulate())
                 if flags["trained"]:
@@ -299,6 +322,9 @@ class Trainer:
                 completed = self._pending is not None and flags["written"]
                 if completed:
                     self._complete()
+                # Release on use: the uses this step finished leave the store now, their last samples in the update.
+                released = self.position.release_used(self.steps) if self.release_on_use else 0
+                self.released_uses += released
 
                 # Stop, at the end of the data or on a signal.
                 if flags["all_exhausted"]:
@@ -311,25 +337,32 @@ class Trainer:
                     self._checkpoint(f"stop requested by {self.stopped_by or 'another trainer'}", wait=True)
                     return False
 
-                # Checkpoint (and release). The deadlock rule: finished segments a checkpoint would free must
-                # not sit unreleased while extractors wait for space, or while a trainer waits for data (their
-                # next use may be it). The holding flags were counted before a release just now: look again at
-                # the next step. A background write in flight frees space once durable: extractors wait for it
-                # while training goes on; a starved rank has nothing to train, so it waits for the release.
+                # Checkpoint (and, after_checkpoint, release). Its deadlock rule: finished segments a checkpoint
+                # would free must not sit unreleased while extractors wait for space, or while a trainer waits for
+                # data (their next use may be it). The holding flags were counted before a release just now: look
+                # again at the next step. A background write in flight frees space once durable: extractors wait
+                # for it while training goes on; a starved rank has nothing to train, so it waits for the release.
+                # Released on use, nothing waits for a checkpoint: they follow the user's clock alone.
                 blocked = flags["holding_much"] and flags["writers_waiting"] and not completed
                 starved = flags["holding"] and flags["starved"] and not completed
-                if blocked and self._pending is None:
+                if not self.release_on_use and blocked and self._pending is None:
                     self._checkpoint("extractors are blocked on the full buffer")
-                elif starved:
+                elif not self.release_on_use and starved:
                     self._checkpoint("a trainer ran out of ready data", wait=True)
                 elif flags["trained"] and self.steps % every == 0:
                     self._checkpoint(f"every {every} steps")
+                elif flags["trained"] and flags["clock"]:
+                    self._checkpoint(f"every {every_s:g} s")
 
                 # No batch anywhere this step: wait for data (or return, in single-process mode); unless a release
                 # just now lets a part-filled batch through or brings the next use: then look again at once.
-                if not flags["trained"] and self.checkpoints == durable:
+                if not flags["trained"] and self.checkpoints == durable and not released:
                     if until_idle and self._store_idle():
-                        self._checkpoint("no ready segment left", wait=True)
+                        if self.release_on_use:  # released already: only a background write to see through
+                            self._drain()
+                            self.writer.settle()
+                        else:
+                            self._checkpoint("no ready segment left", wait=True)
                         return False
                     self._wait_for_data()
                 else:
@@ -386,11 +419,12 @@ class Trainer:
             tokens,
             samples,
             self.writer.written,  # ended, well or not: `complete` learns which on every rank
+            self._checkpoint_due(),
         ]
         vec = torch.tensor(flags + self.stats.pending(), dtype=torch.float64, device=self.device)
         vec = self._all_reduce(vec).tolist()
         self.stats.absorb(vec[len(flags):])
-        trained, stop, waiting, exhausted_ranks, holding, starved, tokens, samples, written = vec[: len(flags)]
+        trained, stop, waiting, exhausted_ranks, holding, starved, tokens, samples, written, clock = vec[: len(flags)]
         return {
             "trained": trained > 0, "stop": stop > 0, "writers_waiting": waiting > 0,
             "all_exhausted": exhausted_ranks == self.trainers, "holding": holding > 0,
@@ -398,7 +432,13 @@ class Trainer:
             "holding_much": holding >= int(self.cfg.store.budget) * HOLDING_SHARE, "starved": starved > 0,
             "tokens": int(tokens), "samples": int(samples),
             "written": written == self.trainers,  # every rank's write of the background checkpoint ended
+            "clock": clock > 0,  # train.checkpoint_every_s has passed on some rank's clock
         }
+
+    def _checkpoint_due(self) -> bool:
+        """train.checkpoint_every_s has passed since this launch's start or its latest checkpoint."""
+        every_s = self.cfg.train.checkpoint_every_s
+        return every_s is not None and time.monotonic() - self._last_checkpoint_time >= every_s
 
     def _optimizer_step(self) -> None:
         params = [p for p in self.drafter.parameters() if p.requires_grad]

@@ -23,9 +23,10 @@ class DataWaitTimeout(DFlashError):
 
 
 def describe_redo(parts: list[dict[str, Any]], extractor_alive: bool, command: str) -> str | None:
-    """The samples of quarantined segments that wait for re-extraction (count and a few ids) and who brings them
-    back, for a waiting trainer's lines; None when there are none. Only a writer extracts them again: a trainer
-    launched alone after `extract` finished waits for them until `extract` runs again."""
+    """The samples of quarantined segments, or of uses a crash rolled back, that wait for re-extraction (count and
+    a few ids) and who brings them back, for a waiting trainer's lines; None when there are none. Only a writer
+    extracts them again: a trainer launched alone after `extract` finished waits for them until `extract` runs
+    again."""
     if not parts:
         return None
     ids = list(dict.fromkeys(i for part in parts for i in part["sample_ids"]))
@@ -35,7 +36,8 @@ def describe_redo(parts: list[dict[str, Any]], extractor_alive: bool, command: s
                                                      else "")
     how = ("the running extractor extracts them again" if extractor_alive
            else f"run `{command}` again (it extracts just those)")
-    return (f"{len(ids)} sample(s) of quarantined segment{'s' if len(segments) > 1 else ''} {shown_segments} "
+    why = " or ".join(dict.fromkeys(part.get("why", "quarantined") for part in parts))
+    return (f"{len(ids)} sample(s) of {why} segment{'s' if len(segments) > 1 else ''} {shown_segments} "
             f"wait for re-extraction (ids {shown_ids}): {how}")
 
 

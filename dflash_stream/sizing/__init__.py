@@ -5,6 +5,7 @@
                 `startup_check` (run refuses a role that does not fit its GPU)
     disk.py     the whole disk footprint per filesystem, `check_run_disk` (run refuses when it does not fit)
     work.py     each role's rates, regeneration's cost, the split of a launch (`plan_roles`: roles.trainers auto)
+    checkpoints.py  checkpoints (count, bytes, stall) and one crash's cost under each release rule (train.release)
 
 It sits below `observe` and `pipeline`, which both ask here; it renders nothing (`observe/plan.py` does).
 """

@@ -35,12 +35,17 @@ if TYPE_CHECKING:
 
 log = get_logger("store")
 DIRS = ("segments", "tmp", "info", "ready", "claimed", "done", ledger.FOLDER, "writers", "budget", "budget/reserved",
-        "budget/waiting", "locks", "quarantine")
+        "budget/waiting", "locks", "quarantine", "redo")
 _ID = re.compile(r"^[A-Za-z0-9_-]+$")
 POLL_SECONDS = (0.02, 0.5)
 QUARANTINE_SHARE = 0.25
 """Damaged segments are kept for inspection (and counted in the budget) while the quarantine holds less than
 this share of the budget; past it only their records are kept."""
+
+
+def _redo_folder(tag: str) -> str:
+    """Where the request answered by a replacement with redo `tag` lives (see `redo_tag`)."""
+    return "redo" if "@" in tag else "quarantine"
 
 
 def _write_json(path: Path, obj: Any) -> None:
@@ -69,10 +74,19 @@ class Claim:
     reuse: int = 1
     bytes: int = 0
     """The segment's size on disk: what its deletion frees."""
+    last_use: int | None = None
+    """The segment's last use (None: reuse - 1); below it only for a replacement of rolled-back uses."""
+    replaces: str | None = None
+    """The redo tag of the samples this segment holds again (quarantined, or rolled back after a crash)."""
 
     @property
     def epoch(self) -> int:
         return self.pass_index * self.reuse + self.use_index
+
+    @property
+    def final_use(self) -> int:
+        """The use whose release deletes the segment."""
+        return self.reuse - 1 if self.last_use is None else self.last_use
 
 
 @dataclass(frozen=True)
@@ -85,14 +99,20 @@ class SegmentInfo:
     bytes: int
     """Allocated bytes on disk, as `du` counts them."""
     first_use: int = 0
-    """The first use it is READY for (above 0 only for a replacement of a damaged segment's later uses)."""
+    """The first use it is READY for (above 0 only for a replacement of a damaged segment's later uses, or of
+    rolled-back uses)."""
     replaces: str | None = None
-    """`<segment>.<part>` of the quarantined segment whose samples it holds again."""
+    """The redo tag whose samples it holds again: `<segment>.<part>` of a quarantined segment, or
+    `<segment>@<use>` of uses rolled back after a crash (`Store.request_redo`)."""
+    last_use: int | None = None
+    """The last use it is READY for (None: store.reuse - 1); set only for a replacement of rolled-back uses,
+    whose original segment still serves the uses after them."""
 
 
 def _info_from_raw(raw: dict[str, Any]) -> SegmentInfo:
     return SegmentInfo(raw["segment_id"], raw["pass_index"], tuple(raw["sample_ids"]), raw["num_tokens"],
-                       raw["raw_bytes"], raw["bytes"], raw.get("first_use", 0), raw.get("replaces"))
+                       raw["raw_bytes"], raw["bytes"], raw.get("first_use", 0), raw.get("replaces"),
+                       raw.get("last_use"))
 
 
 def _raw_from_info(info: SegmentInfo) -> dict[str, Any]:
@@ -100,7 +120,14 @@ def _raw_from_info(info: SegmentInfo) -> dict[str, Any]:
     raw = {**asdict(info), "sample_ids": list(info.sample_ids)}
     if not info.first_use and info.replaces is None:
         del raw["first_use"], raw["replaces"]
+    if info.last_use is None:
+        del raw["last_use"]
     return raw
+
+
+def redo_tag(segment_id: str, first_use: int) -> str:
+    """The tag of rolled-back uses of `segment_id` from `first_use` on (quarantine tags hold no `@`)."""
+    return f"{segment_id}@{first_use}"
 
 
 class Store:
@@ -208,6 +235,10 @@ class Store:
     def consumers_alive(self) -> bool:
         """Some other live process holds a consumer id of this store (a trainer is running)."""
         return lease.any_live(self.path / "locks", "consumer-")
+
+    def work_for_consumers(self) -> bool:
+        """Some segment use is READY or claimed: a consumer has (or is decoding) something to train."""
+        return bool(self._ls("ready")) or any(self._ls(f"claimed/{c}") for c in self._ls("claimed"))
 
     def drained(self) -> bool:
         """End of data, and every segment consumed for the last time."""
@@ -376,8 +407,13 @@ class Store:
         READY, so that a crash between the two cannot have it extracted a third time), then READY."""
         info = self._record(seg)
         if info is not None and info.replaces:
-            (self.path / "quarantine" / f"{info.replaces}.redone").touch()
+            (self.path / _redo_folder(info.replaces) / f"{info.replaces}.redone").touch()
         self._mark_ready(seg, info.first_use if info else 0)
+
+    def _final_use(self, seg: str) -> int:
+        """The use whose release deletes segment `seg`."""
+        info = self._record(seg)
+        return self.reuse - 1 if info is None or info.last_use is None else info.last_use
 
     # ---- damaged segments ----------------------------------------------------------------------------------
     def quarantined(self) -> list[dict[str, Any]]:
@@ -394,23 +430,72 @@ class Store:
         return records
 
     def redo_requests(self, writer_id: str) -> list[tuple[str, dict[str, Any]]]:
-        """(tag, part) for each quarantined part that writer `writer_id` has not extracted again yet."""
+        """(tag, part) for each part that writer `writer_id` has not extracted again yet: the quarantined ones,
+        then the rolled-back ones (`request_redo`). A part gives pass_index, first_use and sample_ids; the writer
+        writes them with `write(samples, pass_index, first_use=..., replaces=tag)`, which takes the part's last
+        use from its request."""
         redone = {n.removesuffix(".redone") for n in self._ls("quarantine") if n.endswith(".redone")}
-        return [(f"{r['segment_id']}.{k}", part) for r in self.quarantined() if r["segment_id"].rpartition(".")[0] == writer_id
-                for k, part in enumerate(r["redo"]) if f"{r['segment_id']}.{k}" not in redone]
+        quarantined = [(f"{r['segment_id']}.{k}", part) for r in self.quarantined()
+                       if r["segment_id"].rpartition(".")[0] == writer_id
+                       for k, part in enumerate(r["redo"]) if f"{r['segment_id']}.{k}" not in redone]
+        return quarantined + [(r["tag"], r) for r in self.rollbacks()
+                              if not r["redone"] and r["segment_id"].rpartition(".")[0] == writer_id]
 
     def redo_pending(self) -> bool:
         return bool(self.redo_waiting())
 
     def redo_waiting(self) -> list[dict[str, Any]]:
-        """The quarantined parts no writer has extracted again yet, of every writer: {segment_id, pass_index,
-        first_use, sample_ids} each (what a waiting trainer names)."""
+        """The parts no writer has extracted again yet, of every writer: {segment_id, pass_index, first_use,
+        sample_ids, why} each, `why` "quarantined" or "rolled back" (what a waiting trainer names)."""
+        waiting = []
         names = self._ls("quarantine")
-        if not names:
-            return []
+        if names:
+            redone = {n.removesuffix(".redone") for n in names if n.endswith(".redone")}
+            waiting = [{"segment_id": r["segment_id"], **part, "why": "quarantined"} for r in self.quarantined()
+                       for k, part in enumerate(r["redo"]) if f"{r['segment_id']}.{k}" not in redone]
+        return waiting + [{**r, "why": "rolled back"} for r in self.rollbacks() if not r["redone"]]
+
+    # ---- uses rolled back after a crash --------------------------------------------------------------------
+    def request_redo(self, parts: list[dict[str, Any]], reason: str) -> list[str]:
+        """Have the writers extract again samples whose trained uses a crash undid after their segment use was
+        released (train.release: on_use): each part {segment_id, pass_index, first_use, last_use, sample_ids}
+        comes back as a replacement segment READY for exactly those uses, written by the writer of
+        `segment_id`. Durable when this returns. A part asked for already (a resume that crashed after asking)
+        is left as it is: a segment use is released once, so its tag names one request. The tags."""
+        tags = []
+        for part in parts:
+            tag = redo_tag(part["segment_id"], part["first_use"])
+            path = self.path / "redo" / f"{tag}.json"
+            if not path.exists():
+                write_atomic(path, json.dumps({"tag": tag, **part, "reason": reason, "time": time.time()}),
+                             durable=True)
+            tags.append(tag)
+        return tags
+
+    def rollbacks(self) -> list[dict[str, Any]]:
+        """The requests of `request_redo`, each with `redone`: whether its replacement is published."""
+        names = self._ls("redo")
         redone = {n.removesuffix(".redone") for n in names if n.endswith(".redone")}
-        return [{"segment_id": r["segment_id"], **part} for r in self.quarantined()
-                for k, part in enumerate(r["redo"]) if f"{r['segment_id']}.{k}" not in redone]
+        records = []
+        for name in sorted(names):
+            if name.endswith(".json"):
+                with contextlib.suppress(FileNotFoundError, json.JSONDecodeError):
+                    record = json.loads((self.path / "redo" / name).read_text())
+                    records.append({**record, "redone": record["tag"] in redone})
+        return records
+
+    def _requested_last_use(self, tag: str) -> int | None:
+        """The last use a replacement answering redo `tag` serves (None: every use up to reuse - 1, also when the
+        request is not found)."""
+        try:
+            if _redo_folder(tag) == "redo":
+                part = json.loads((self.path / "redo" / f"{tag}.json").read_text())
+            else:
+                seg, _, k = tag.rpartition(".")
+                part = json.loads((self.path / "quarantine" / f"{seg}.json").read_text())["redo"][int(k)]
+        except (FileNotFoundError, IndexError, ValueError):
+            return None
+        return part.get("last_use")
 
     def _finish_quarantine(self, record: dict[str, Any]) -> None:
         """Move a quarantined segment's files aside (or delete them) and drop its markers; repeatable, so that
@@ -493,8 +578,12 @@ class SegmentWriter:
         seg = f"{self.id}.{self._seq:06d}"
         record = {"segment_id": seg, "pass_index": pass_index, "sample_ids": [int(s.sample_id) for s in samples],
                   "num_tokens": tokens, "raw_bytes": raw}
+        last_use = None
         if replaces is not None:
             record.update(first_use=first_use, replaces=replaces)
+            last_use = st._requested_last_use(replaces)
+            if last_use is not None:
+                record["last_use"] = last_use
         files = encode_segment(samples, st.codec, st.layer_ids, st.hidden_size)
         record_bytes = len(json.dumps({**record, "bytes": 0})) + 32
         # The segment, its record, and this writer's reservation file.
@@ -506,7 +595,7 @@ class SegmentWriter:
                 self._reserve(need, block)
                 write_files(tmp, files)
                 info = SegmentInfo(seg, pass_index, tuple(record["sample_ids"]), tokens, raw, bud.du(tmp),
-                                   record.get("first_use", 0), replaces)
+                                   record.get("first_use", 0), replaces, last_use)
                 if info.bytes > need:
                     log.warning("segment %s took %d bytes, more than the %d reserved for it", seg, info.bytes, need)
                 _write_json(st.path / "info" / f"{seg}.json", {**record, "bytes": info.bytes})
@@ -654,7 +743,7 @@ class SegmentConsumer:
         st = self.store
         for c in claims:
             src = self._dir / f"{c.segment_id}@{c.use_index}"
-            last = c.use_index + 1 >= st.reuse
+            last = c.use_index >= c.final_use
             try:
                 if last:
                     os.rename(src, st.path / "done" / src.name)  # released: from here on only forward
@@ -705,10 +794,13 @@ class SegmentConsumer:
         if record is None:
             done = set(trained)
             rest = [i for i in claim.sample_ids if i not in done]
-            redo = [{"pass_index": claim.pass_index, "first_use": claim.use_index, "sample_ids": rest}] if rest else []
-            if done and claim.use_index + 1 < claim.reuse:
+            # A replacement of rolled-back uses ends at its own last use: the parts end there too.
+            last = {} if claim.last_use is None else {"last_use": claim.last_use}
+            redo = [{"pass_index": claim.pass_index, "first_use": claim.use_index, "sample_ids": rest, **last}
+                    ] if rest else []
+            if done and claim.use_index < claim.final_use:
                 redo.append({"pass_index": claim.pass_index, "first_use": claim.use_index + 1,
-                             "sample_ids": [i for i in claim.sample_ids if i in done]})
+                             "sample_ids": [i for i in claim.sample_ids if i in done], **last})
             kept = bud.du(st.path / "quarantine") + claim.bytes <= st.budget * QUARANTINE_SHARE
             record = {"segment_id": seg, "pass_index": claim.pass_index, "use_index": claim.use_index,
                       "sample_ids": list(claim.sample_ids), "reason": reason, "kept": kept, "redo": redo,
@@ -737,7 +829,8 @@ class SegmentConsumer:
                 os.rename(st.path / "ready" / name, self._dir / name)
             except FileNotFoundError:
                 continue  # another consumer took it
-            return Claim(info.segment_id, info.pass_index, use, info.sample_ids, info.num_tokens, st.reuse, info.bytes)
+            return Claim(info.segment_id, info.pass_index, use, info.sample_ids, info.num_tokens, st.reuse, info.bytes,
+                         info.last_use, info.replaces)
         return None
 
     def exhausted(self) -> bool:
@@ -755,7 +848,8 @@ class SegmentConsumer:
     def _claimed_elsewhere(self) -> bool:
         """Some claim will come back to READY for another use."""
         st = self.store
-        return any(_marker(n)[1] + 1 < st.reuse for c in st._ls("claimed") for n in st._ls(f"claimed/{c}"))
+        return any(use < st._final_use(seg) for c in st._ls("claimed")
+                   for seg, use in map(_marker, st._ls(f"claimed/{c}")))
 
 
 def _probe_writable(path: Path) -> None:
