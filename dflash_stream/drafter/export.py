@@ -13,8 +13,17 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from dflash_stream.config import ConfigError
+from dflash_stream.drafter.dflash2 import build_drafter
 from dflash_stream.drafter.model import DFlashDrafter
-from dflash_stream.drafter.spec import CONFIG, WEIGHTS, DrafterSpec, spec_from_zlab_config
+from dflash_stream.drafter.spec import (
+    ARCHITECTURES,
+    CONFIG,
+    DFLASH2,
+    DFLASH2_FIELDS,
+    WEIGHTS,
+    DrafterSpec,
+    spec_from_zlab_config,
+)
 
 SPEC = "drafter_spec.json"
 MODELING = "dflash.py"
@@ -23,7 +32,8 @@ AUTO_MAP = {"AutoModel": "dflash.DFlashDraftModel"}
 
 
 def drafter_state(drafter: DFlashDrafter) -> dict[str, Tensor]:
-    """The drafter's weights under the z-lab names (`layers.N...`, `fc`, `hidden_norm`, `norm`)."""
+    """The drafter's weights under the z-lab names (`layers.N...`, `fc`, `hidden_norm`, `norm`; DFlash2 adds
+    `layers.N.attention_conv/mlp_conv.*` and `candidate_selector.*`, vLLM's names)."""
     return {name: t.detach().contiguous() for name, t in drafter.state_dict().items()}
 
 
@@ -32,9 +42,12 @@ def _str_dtype(dtype: torch.dtype) -> str:
 
 
 def zlab_config(spec: DrafterSpec, dtype: torch.dtype = torch.bfloat16) -> dict[str, Any]:
-    """`config.json` of a z-lab DFlash checkpoint: a Qwen3 config plus the DFlash fields."""
+    """`config.json` of a z-lab DFlash checkpoint: a Qwen3 config plus the DFlash fields; a DFlash2 drafter's as vLLM's
+    qwen3_dflash2.py reads it (architectures DFlash2DraftModel, its fields in dflash_config), without `auto_map`:
+    the transformers modeling file (`dflash.py`) is DFlash's."""
+    dflash2 = spec.kind == DFLASH2
     return {
-        "architectures": ["DFlashDraftModel"],
+        "architectures": [ARCHITECTURES[spec.kind]],
         "model_type": "qwen3",
         "hidden_size": spec.hidden_size,
         "intermediate_size": spec.intermediate_size,
@@ -57,9 +70,17 @@ def zlab_config(spec: DrafterSpec, dtype: torch.dtype = torch.bfloat16) -> dict[
         "dtype": _str_dtype(dtype),
         "block_size": spec.block_size,
         "num_target_layers": spec.num_target_layers,
-        "dflash_config": {"mask_token_id": spec.mask_token_id, "target_layer_ids": list(spec.target_layer_ids)},
-        "auto_map": AUTO_MAP,
+        "dflash_config": {"mask_token_id": spec.mask_token_id, "target_layer_ids": list(spec.target_layer_ids),
+                          **(_dflash2_fields(spec) if dflash2 else {})},
+        **({} if dflash2 else {"auto_map": AUTO_MAP}),
     }
+
+
+def _dflash2_fields(spec: DrafterSpec) -> dict[str, Any]:
+    """dflash_config's DFlash2 fields; the candidates' logits are the target's LM head's as training scored them
+    (no output multiplier, no softcap)."""
+    return {**{name: getattr(spec, name) for name in DFLASH2_FIELDS}, "output_multiplier": 1.0,
+            "final_logit_softcapping": None}
 
 
 def _layout_fields(spec: DrafterSpec) -> dict[str, Any]:
@@ -82,13 +103,14 @@ def export_drafter(drafter: DFlashDrafter, spec: DrafterSpec, out_dir: str | Pat
     save_file(state, out / WEIGHTS, metadata={"format": "pt"})
     dtype = next(iter(state.values())).dtype
     (out / CONFIG).write_text(json.dumps(zlab_config(spec, dtype), indent=2) + "\n")
-    shutil.copyfile(Path(__file__).with_name("hf_modeling.py"), out / MODELING)
+    if spec.kind != DFLASH2:
+        shutil.copyfile(Path(__file__).with_name("hf_modeling.py"), out / MODELING)
     return out
 
 
 def _build(spec: DrafterSpec, weights: Path, device: torch.device | str | None) -> DFlashDrafter:
     state = load_file(weights, device=str(device or "cpu"))
-    drafter = DFlashDrafter(spec).to(device=device, dtype=next(iter(state.values())).dtype)
+    drafter = build_drafter(spec).to(device=device, dtype=next(iter(state.values())).dtype)
     drafter.load_state_dict(state, strict=True)
     return drafter
 
@@ -102,7 +124,8 @@ def load_init_weights(drafter: DFlashDrafter, folder: str | Path) -> None:
     missing, extra = sorted(set(ours) - set(state)), sorted(set(state) - set(ours))
     if missing or extra:
         what = f"lacks {', '.join(missing[:3])}" if missing else f"has extra tensors {', '.join(extra[:3])}"
-        raise ConfigError(f"drafter.init_from: {path} {what}; it is not a DFlash drafter of this architecture")
+        raise ConfigError(f"drafter.init_from: {path} {what}; it is not a {drafter.spec.kind} drafter of this "
+                          "architecture")
     for name, t in state.items():
         if t.shape != ours[name].shape:
             raise ConfigError(f"drafter.init_from: {name} is {list(t.shape)} in {path}, "

@@ -45,8 +45,8 @@ from dflash_stream.target_model import (
     load_target,
     model_shape,
     resolve_device,
-    resolve_layer_ids,
     stop_token_ids,
+    stored_layer_ids,
 )
 from dflash_stream.target_model.capture import LayerCapture
 from dflash_stream.target_model.generate import generate_responses
@@ -146,7 +146,8 @@ class Extractor:
         self.cfg, self.role, self.store, self.metrics, self.device = cfg, role, store, metrics, device
         self.model, self.tokenizer = target if target is not None else load_target(cfg.target, device)
         shape = model_shape(self.model)
-        self.layer_ids = resolve_layer_ids(shape.num_layers, cfg.target)
+        # The drafter's layers, and the verifier's last layer when the run stores it.
+        self.layer_ids = stored_layer_ids(shape.num_layers, cfg.target, cfg.verifier_states)
         self.capture = LayerCapture(self.model, self.layer_ids)
         self._host = HostCopier(device)
         self.samples, self.report = prepare_shard(cfg, self.tokenizer, role.index, role.count)
