@@ -102,6 +102,7 @@ def context_kv(model, states: torch.Tensor, positions: torch.Tensor) -> list[tup
 def main(target: str, drafter: str, case_path: str, out_path: str) -> None:
     from vllm.config import set_current_vllm_config
     from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
+    from vllm.model_executor.model_loader.utils import process_weights_after_loading
     from vllm.model_executor.models import qwen3_dflash2 as vllm_dflash2
 
     case = torch.load(case_path)
@@ -131,10 +132,11 @@ def main(target: str, drafter: str, case_path: str, out_path: str) -> None:
         except (KeyError, ValueError, AssertionError):
             report["rejects_unknown_tensor"] = True
 
-        # The target's embedding and LM head (tied in the tiny target).
+        # The target's embedding and LM head (tied in the tiny target), then vLLM's own post-load processing.
         embedding = case["embedding"]
         model.model.embed_tokens.weight.data.copy_(embedding)
         model.lm_head.weight.data.copy_(embedding)
+        process_weights_after_loading(model, vc.speculative_config.draft_model_config, torch.device("cpu"))
 
         # vLLM's pure functions on our inputs
         conv = case["conv"]
