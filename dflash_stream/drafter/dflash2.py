@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from dflash_stream.drafter.model import KV, DFlashDrafter, Layer, Mask
 from dflash_stream.drafter.spec import DFLASH2, DrafterSpec
@@ -71,7 +72,12 @@ class GroupedConv(nn.Module):
         return self._conv(x, delta, 1)
 
     def _conv(self, x: Tensor, delta: Tensor, side: int) -> Tensor:
-        return grouped_conv(x, delta, self.base_kernel[side], self.block_size, self.group_size)
+        args = (x, delta, self.base_kernel[side], self.block_size, self.group_size)
+        if torch.is_grad_enabled():
+            # Recomputed in backward: kept, its per-token coefficients and shifted inputs (taps x hidden each)
+            # would double a layer's activations; recomputing them is a few elementwise products.
+            return checkpoint(grouped_conv, *args, use_reentrant=False)
+        return grouped_conv(*args)
 
 
 class DFlash2Layer(Layer):

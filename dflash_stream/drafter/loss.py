@@ -136,13 +136,25 @@ def _chunk_logits(hidden: Tensor, weight: Tensor) -> Tensor:
     return F.linear(hidden.to(weight.dtype), weight).float()
 
 
+LSE_SLICE = 16_384
+"""Vocabulary entries per slice of `_row_logsumexp`: its temporary is rows x LSE_SLICE, not rows x vocab."""
+
+
+def _row_logsumexp(x: Tensor) -> Tensor:
+    """log sum exp over the last dim of [rows, vocab] without a second [rows, vocab] buffer (torch.logsumexp makes
+    one), a vocabulary slice at a time."""
+    peak = x.amax(-1, keepdim=True)
+    total = sum(x[:, i : i + LSE_SLICE].sub(peak).exp_().sum(-1) for i in range(0, x.shape[-1], LSE_SLICE))
+    return total.log_() + peak.squeeze(-1)
+
+
 def _teacher_log_probs(normed: Tensor, weight: Tensor, softcap: float | None) -> Tensor:
     """float32 log-probabilities of the target's own next token from `TargetHead.verifier_normed` rows: the
     same computation as `TargetHead.teacher_logits`, then log-softmax in place."""
     logits = _chunk_logits(normed, weight)
     if softcap:
         logits = logits.div_(softcap).tanh_().mul_(softcap)
-    return logits.sub_(logits.logsumexp(-1, keepdim=True))
+    return logits.sub_(_row_logsumexp(logits)[:, None])
 
 
 @dataclass(frozen=True)
@@ -186,7 +198,7 @@ def _chunk_forward(hidden: Tensor, weight: Tensor, target: Tensor, teacher: Tens
     else:
         # KL(p || q) = sum p (log p - log q), term by term (a difference of the summed parts loses the small KL to
         # rounding), in the two buffers already there: logits -> log p - log q -> p (log p - log q).
-        lse = logits.logsumexp(-1)
+        lse = _row_logsumexp(logits)
         kl = logits.sub_(lse[:, None]).neg_().add_(log_p).mul_(log_p.exp_()).sum(-1)
         del log_p
     objective = lse - picked
