@@ -142,7 +142,7 @@ def test_a_moe_target_without_a_dense_mlp_gets_a_drafter(targets, tmp_path):
     drafter builds, and `plan` sizes the same drafter."""
     from dflash_stream.config import load_config
     from dflash_stream.drafter import DFlashDrafter, build_spec
-    from dflash_stream.observe.disk import drafter_params, drafter_shape
+    from dflash_stream.sizing.memory import drafter_dims, target_dims
 
     config = write_run_config(tmp_path, targets["qwen3_5_moe"], rows=4)
     cfg = load_config(config)
@@ -152,4 +152,5 @@ def test_a_moe_target_without_a_dense_mlp_gets_a_drafter(targets, tmp_path):
     spec = build_spec(cfg, shape, layer_ids)
     assert spec.intermediate_size == 3 * 64
     drafter = DFlashDrafter(spec)
-    assert sum(p.numel() for p in drafter.parameters()) == drafter_params(drafter_shape(cfg, shape, len(layer_ids)))
+    assert sum(p.numel() for p in drafter.parameters()) == \
+        drafter_dims(cfg, target_dims(shape), len(layer_ids)).num_parameters
