@@ -7,11 +7,20 @@ names the key and what is allowed.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
 import yaml
-from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ByteSize,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from dflash_stream.errors import ConfigError
 
@@ -28,6 +37,15 @@ MAX_LENGTH_BUCKETS = 8
 
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+def _yaml_switch(value: Any) -> Any:
+    """YAML 1.1 reads a bare `on`/`off` (in a file or a `--key=on` override) as a boolean: take it back."""
+    return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
+
+
+Switch = Annotated[Literal["auto", "on", "off"], BeforeValidator(_yaml_switch)]
+"""auto, on or off; a bare YAML on/off (a boolean once parsed) is accepted as the word."""
 
 
 class TargetConfig(Section):
@@ -213,7 +231,7 @@ class ExtractConfig(Section):
     """A kept store (extracted with the same target, layers and data, and never trained from) whose samples are
     written into store.path instead of running the target: train again with another budget, codec or epoch
     order from states extracted once (`pipeline/replay.py`)."""
-    verifier_states: Literal["auto", "on", "off"] = "auto"
+    verifier_states: Switch = "auto"
     """Store the target's last decoder layer (before its final norm) beside the K layers: the verifier's state,
     from which training gets the target's own next-token distribution through its final norm and LM head (what
     train.loss kl learns from). One more hidden_size vector per token, coded like the others; the target then
@@ -312,7 +330,7 @@ class TrainConfig(Section):
     length_buckets: list[int] | None = None
     """Context lengths micro-batches are padded up to (increasing, at most 8, the last >= data.max_length): one
     compiled attention graph each. Default: 2^k and 1.5 x 2^k from 64 up to data.max_length, the largest 8."""
-    fixed_shapes: Literal["auto", "on", "off"] = "auto"
+    fixed_shapes: Switch = "auto"
     """Pad each micro-batch to its bucket's fixed shape; auto: where attention is compiled (FlexAttention on CUDA)."""
     loss_chunk_rows: int | None = Field(2048, ge=1)
     """Rows of LM-head logits computed at a time in the loss (recomputed in backward); null: all at once."""

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from test_drafter import features, small_spec
 
-from dflash_stream.config import ConfigError, config_from_dict
+from dflash_stream.config import ConfigError, config_from_dict, load_config
 from dflash_stream.drafter import DFlashDrafter, Objective, TargetHead, dflash_loss, sample_anchors
 from dflash_stream.drafter.loss import head_loss
 
@@ -183,3 +183,16 @@ def test_loss_keys_are_validated():
     for extra, words in bad:
         with pytest.raises(ConfigError, match=words):
             config_from_dict({**base, **extra})
+
+
+def test_yaml_on_and_off_are_the_switch_words(tmp_path):
+    # YAML 1.1 parses a bare on/off as a boolean, in a file and in a --key=value override alike.
+    path = tmp_path / "c.yaml"
+    path.write_text("output_dir: x\ndata: {sources: [{path: a.jsonl}]}\nstore: {path: s, budget: 1GB}\n"
+                    "extract: {verifier_states: on}\ntrain: {fixed_shapes: off}\n")
+    cfg = load_config(path)
+    assert cfg.extract.verifier_states == "on" and cfg.verifier_states is True and cfg.train.fixed_shapes == "off"
+    cfg = load_config(path, ["--extract.verifier_states=off", "--train.fixed_shapes=on"])
+    assert cfg.extract.verifier_states == "off" and cfg.verifier_states is False and cfg.train.fixed_shapes == "on"
+    with pytest.raises(ConfigError, match="extract.verifier_states.*'auto', 'on' or 'off'"):
+        load_config(path, ["--extract.verifier_states=yes please"])
