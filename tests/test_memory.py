@@ -268,7 +268,7 @@ def test_kl_loss_counts_the_verifier_and_fits_the_headline_plan(capsys):
     """train.loss kl on the headline job: one more layer per token on disk and in the batch, the forward to the
     last layer, the teacher's distribution beside the logits in the loss's chunk; still within a 96 GB GPU."""
     base = ["plan", "--config", str(HEADLINE), "--launch", str(ROOT / "launch" / "4gpu.yaml"), "--gpu-memory", "96GB",
-            "--json"]
+            "--samples", "914000", "--json"]
     assert main(base) == 0
     ce = json.loads(capsys.readouterr().out)
     assert main([*base, "--train.loss=kl"]) == 0
