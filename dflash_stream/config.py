@@ -7,11 +7,20 @@ names the key and what is allowed.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
 import yaml
-from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ByteSize,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from dflash_stream.errors import ConfigError
 
@@ -28,6 +37,15 @@ MAX_LENGTH_BUCKETS = 8
 
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+def _yaml_switch(value: Any) -> Any:
+    """YAML 1.1 reads a bare `on`/`off` (in a file or a `--key=on` override) as a boolean: take it back."""
+    return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
+
+
+Switch = Annotated[Literal["auto", "on", "off"], BeforeValidator(_yaml_switch)]
+"""auto, on or off; a bare YAML on/off (a boolean once parsed) is accepted as the word."""
 
 
 class TargetConfig(Section):
@@ -251,6 +269,11 @@ class ExtractConfig(Section):
             raise ValueError("from_store replays a kept store instead of extracting: it takes no engine; set "
                              "extract.engine: hf (the default) or drop extract.from_store")
         return self
+    verifier_states: Switch = "auto"
+    """Store the target's last decoder layer (before its final norm) beside the K layers: the verifier's state,
+    from which training gets the target's own next-token distribution through its final norm and LM head (what
+    train.loss kl learns from). One more hidden_size vector per token, coded like the others; the target then
+    runs to its last layer. auto: on when train.loss uses kl."""
 
 
 class StoreConfig(Section):
@@ -268,7 +291,16 @@ class StoreConfig(Section):
     and other jobs when the disk is smaller or fuller than the budget."""
 
 
+DRAFTER_KINDS = ("dflash", "dflash2")
+DFLASH2_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+"""drafter keys that only a dflash2 drafter has."""
+
+
 class DrafterConfig(Section):
+    kind: Literal["dflash", "dflash2"] = "dflash"
+    """dflash: z-lab's DFlash drafter. dflash2: DFlash with a grouped two-tap convolution around each sublayer and a
+    bilinear candidate selector that reranks the top-k tokens of consecutive slots (speculators' DFlash2, what
+    vLLM loads as DFlash2DraftModel); it needs the full target vocabulary (drafter/dflash2.py)."""
     num_layers: int = Field(5, ge=1)
     block_size: int = Field(16, ge=2)
     mask_token_id: int | None = Field(None, ge=0)
@@ -287,9 +319,25 @@ class DrafterConfig(Section):
     init_from: str | None = None
     """A z-lab drafter folder (config.json + model.safetensors, as `export` writes) to start training from; its
     architecture is the default for the keys above. Ignored when the run resumes from its own checkpoint."""
+    conv_kernel_size: int = Field(2, ge=1)
+    """dflash2: taps of each causal convolution inside a block (the token itself and the ones before it)."""
+    conv_group_size: int = Field(16, ge=1)
+    """dflash2: hidden channels that share one predicted kernel (it must divide the hidden size)."""
+    selector_rank: int = Field(256, ge=1)
+    """dflash2: rank of the candidate selector's predecessor/successor codebooks."""
+    selector_top_k: int = Field(16, ge=1)
+    """dflash2: candidates per slot the selector reranks (the unary head's top-k)."""
 
     @model_validator(mode="after")
     def _layout(self) -> DrafterConfig:
+        if self.kind != "dflash2":
+            # Compared with the defaults, not with what was set: a resolved config (OUTPUT/config.yaml) holds all keys.
+            extra = [k for k in DFLASH2_KEYS if getattr(self, k) != type(self).model_fields[k].default]
+            if extra:
+                raise ValueError(f"{', '.join(extra)}: only for kind dflash2 (kind is {self.kind})")
+        elif self.conv_kernel_size > self.block_size:
+            raise ValueError(f"conv_kernel_size={self.conv_kernel_size} exceeds block_size={self.block_size}: a "
+                             "block has no token that far back")
         if self.init_from is not None and not self.init_from.strip():
             raise ValueError("init_from: give a drafter folder, or null")
         if self.layer_types is not None and len(self.layer_types) != self.num_layers:
@@ -320,10 +368,22 @@ class TrainConfig(Section):
     length_buckets: list[int] | None = None
     """Context lengths micro-batches are padded up to (increasing, at most 8, the last >= data.max_length): one
     compiled attention graph each. Default: 2^k and 1.5 x 2^k from 64 up to data.max_length, the largest 8."""
-    fixed_shapes: Literal["auto", "on", "off"] = "auto"
+    fixed_shapes: Switch = "auto"
     """Pad each micro-batch to its bucket's fixed shape; auto: where attention is compiled (FlexAttention on CUDA)."""
     loss_chunk_rows: int | None = Field(2048, ge=1)
     """Rows of LM-head logits computed at a time in the loss (recomputed in backward); null: all at once."""
+    loss: Literal["ce", "kl", "ce+kl"] = "ce"
+    """ce: cross-entropy on the data's next tokens (z-lab's recipe). kl: KL divergence to the target's own
+    next-token distribution at each block slot (speculators' default), from the stored verifier state
+    (extract.verifier_states) through the target's final norm and LM head. ce+kl: ce_weight x ce + kl_weight x kl.
+    Every term is decay-weighted per slot like the cross-entropy."""
+    ce_weight: float = Field(1.0, gt=0)
+    """train.loss ce+kl: weight of the cross-entropy term."""
+    kl_weight: float = Field(1.0, gt=0)
+    """train.loss ce+kl: weight of the KL term."""
+    selector_weight: float = Field(1.0, ge=0)
+    """drafter.kind dflash2: weight of the candidate selector's loss beside the unary loss above (speculators'
+    selector_loss_alpha)."""
     checkpoint_every: int = Field(200, ge=1)
     """Steps between checkpoints (whichever of this and checkpoint_every_s comes first)."""
     checkpoint_every_s: float | None = Field(1800.0, gt=0)
@@ -354,6 +414,18 @@ class TrainConfig(Section):
     seed: int = 0
     tokens_per_s: float | None = Field(None, gt=0)
     """For `plan`: one trainer's throughput, when known from an earlier run."""
+
+    @property
+    def loss_weights(self) -> tuple[float, float]:
+        """(weight of the cross-entropy, weight of the KL term) of train.loss; 0 for a term it leaves out."""
+        return {"ce": (1.0, 0.0), "kl": (0.0, 1.0), "ce+kl": (self.ce_weight, self.kl_weight)}[self.loss]
+
+    @model_validator(mode="after")
+    def _loss_weights(self) -> TrainConfig:
+        set_weights = [k for k in ("ce_weight", "kl_weight") if getattr(self, k) != 1.0]
+        if set_weights and self.loss != "ce+kl":
+            raise ValueError(f"{', '.join(set_weights)}: only for loss ce+kl (loss is {self.loss})")
+        return self
 
     def bf16_autocast(self, device_type: str) -> bool:
         """mixed_precision `auto` is bf16 autocast on CUDA and full precision elsewhere."""
@@ -466,6 +538,11 @@ class Config(Section):
             raise ValueError("data.generation.engine: hf generates with the target inside the extractors, and with "
                              "extract.engine vllm they load no target; set data.generation.engine: openai (the "
                              "extraction servers can answer too: list them in data.generation.endpoints)")
+        if self.extract.verifier_states == "off" and self.train.loss != "ce":
+            raise ValueError(f"train.loss {self.train.loss} learns from the target's distribution, which "
+                             "extract.verifier_states: off does not store; allowed: on or auto (or train.loss: ce)")
+        if self.drafter.kind != "dflash2" and self.train.selector_weight != 1.0:
+            raise ValueError("train.selector_weight applies only to drafter.kind: dflash2")
         reuse, epochs = self.store.reuse, self.train.epochs
         if self.train.epoch_source == "reuse":
             if reuse == 1 and epochs > 1:
@@ -482,6 +559,13 @@ class Config(Section):
     @property
     def min_supervised_tokens(self) -> int:
         return self.data.min_supervised_tokens or 2 * self.drafter.block_size
+
+    @property
+    def verifier_states(self) -> bool:
+        """Whether the store holds the verifier's state (extract.verifier_states; auto: when train.loss uses kl)."""
+        if self.extract.verifier_states == "auto":
+            return self.train.loss != "ce"
+        return self.extract.verifier_states == "on"
 
     @property
     def extraction_passes(self) -> int:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dflash_stream.bench.quality import STREAMED_FRACTION, _report, plan_runs
+from dflash_stream.bench.quality import STREAMED_FRACTION, _report, _table, plan_runs
 
 
 def test_every_variant_and_sweep_point_is_planned_per_seed():
@@ -52,3 +52,27 @@ def test_tau_gap_is_also_judged_against_the_eval_noise():
     verdict = report["parity"]["fp8"]
     assert not verdict["tau_within"]  # the seeds agree exactly, so the spread allows no gap
     assert abs(verdict["tau_noise"] - 2 * 0.01 * 2 ** 0.5) < 1e-12 and verdict["tau_within_noise"] is True
+
+
+def test_kl_and_dflash2_variants_change_one_thing_of_streamed():
+    runs = {r.folder: r for r in plan_runs(["streamed", "streamed+kl", "dflash2"], seeds=2, sweep=[0.1])}
+    streamed, kl, dflash2 = runs["streamed-seed1"], runs["streamed+kl-seed1"], runs["dflash2-seed1"]
+    assert kl.train == {**streamed.train, "loss": "kl"} and kl.drafter == {} and kl.store == streamed.store
+    assert dflash2.drafter == {"kind": "dflash2"} and dflash2.train == streamed.train
+    assert kl.fraction == dflash2.fraction == streamed.fraction and kl.evaluate and dflash2.evaluate
+    assert "window-0.1" not in {r.name for r in runs.values()}
+
+
+def test_kl_and_dflash2_are_judged_against_streamed():
+    results = {
+        "streamed": [_result(6.0, 1.10, 10, 100, 0.01), _result(6.02, 1.12, 10, 100, 0.01)],
+        "streamed+kl": [_result(6.5, 1.11, 10, 100, 0.01), _result(6.5, 1.11, 10, 100, 0.01)],
+        "dflash2": [_result(6.03, 1.2, 10, 100, 0.01), _result(6.01, 1.2, 10, 100, 0.01)],
+    }
+    report = _report(results, list(results), [0.1], 10, 7.5, {"loss": 30.0}, 2, 10, 4, 0.0, 2.0)
+    assert "parity" not in report  # no offline run: nothing to judge parity with
+    kl, dflash2 = report["versus_streamed"]["streamed+kl"], report["versus_streamed"]["dflash2"]
+    assert abs(kl["loss_gap"] - 0.49) < 1e-9 and not kl["loss_within"]
+    assert dflash2["loss_within"] and abs(dflash2["tau_gap"] - 0.09) < 1e-9 and not dflash2["tau_within_noise"]
+    table = "\n".join(_table(report))
+    assert "streamed+kl vs streamed: loss gap +0.4900" in table and "0.100/0.050" in table

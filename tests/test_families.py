@@ -22,6 +22,14 @@ from dflash_stream.target_model.capture import LayerCapture
 DEMO_DATA = Path(__file__).parent.parent / "dflash_stream" / "demo_data"
 FAST = ("qwen3_5", "qwen3_next")  # the headline target as saved (a VLM wrapper), and a hybrid text model
 PARAMS = [pytest.param(f, marks=() if f in FAST else pytest.mark.slow) for f in FAMILIES]
+OTHER_DRAFTERS = {
+    "qwen3_next": {"drafter.kind": "dflash2", "train.loss": "kl", "drafter.selector_rank": 16},
+    "gemma3": {"drafter.kind": "dflash2", "train.loss": "ce+kl"},  # its embedding scale: vLLM's input_embedding_scale
+    "gpt_oss": {"train.loss": "kl"},
+}
+"""Families that train another drafter or loss than DFlash with cross-entropy (issue 35), the stream the same."""
+VERIFIER_FAST = ("llama", "gemma3", "qwen3_5", "qwen3_next")
+"""The final norms and names that differ: plain RMSNorm, Gemma's and Qwen3.5's 1 + weight, VLM wrappers' nesting."""
 LAYER_KINDS = {
     "qwen3_5": {"linear_attention": 4, "full_attention": 2},
     "qwen3_next": {"linear_attention": 4, "full_attention": 2},
@@ -52,7 +60,7 @@ def test_family_plans_runs_exports_evaluates_and_audits(family, targets, tmp_pat
             "data.regenerate": True, "data.generation": {"max_new_tokens": 24, "batch_size": 4},
             "data.min_supervised_tokens": 4, "data.max_length": 80, "train.epochs": 1,
             "eval.prompts": str(DEMO_DATA / "heldout_prompts.jsonl"), "eval.num_prompts": 2,
-            "eval.max_new_tokens": 24,
+            "eval.max_new_tokens": 24, **OTHER_DRAFTERS.get(family, {}),
         })
     assert main(["plan", "--config", str(config), "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
@@ -71,6 +79,7 @@ def test_family_plans_runs_exports_evaluates_and_audits(family, targets, tmp_pat
     assert audit_run(out)["ok"]
     _, spec = load_drafter(summary["checkpoint"])  # the exported drafter
     assert spec.hidden_size == 64 and spec.target_layer_ids == [1, 2, 3]
+    assert spec.kind == OTHER_DRAFTERS.get(family, {}).get("drafter.kind", "dflash")
     # The drafter's heads are as wide as the target's (MLA: its value heads, not the narrow RoPE part).
     assert spec.head_dim == (32 if family == "deepseek_v3" else 16)
 
@@ -95,6 +104,36 @@ def test_padded_batch_captures_each_sample_as_alone(family, targets):
         alone = capture(row[None], torch.ones(1, len(row), dtype=torch.long))[0]
         # Captured as bf16: equal float32 states round to the same bf16 value, up to one ulp at a rounding edge.
         torch.testing.assert_close(batched[i, : len(row)].float(), alone.float(), rtol=8e-3, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", [pytest.param(f, marks=() if f in VERIFIER_FAST else pytest.mark.slow)
+                                    for f in FAMILIES])
+def test_verifier_state_through_the_final_norm_and_head_is_the_targets_logits(family, targets):
+    """With the verifier's state the capture adds the last decoder layer, pre-norm (vLLM's aux layer id =
+    num_layers), after the K layers; the target's final norm and LM head, read alone from its weight files
+    (Gemma's and Qwen3.5's 1 + weight norms, wrappers' nested names), turn it into the target's own logits."""
+    from dflash_stream.drafter import load_target_head
+    from dflash_stream.target_model import stored_layer_ids
+
+    cfg = TargetConfig(model=str(targets[family]), dtype="float32", device="cpu", num_capture_layers=3)
+    model, _ = load_target(cfg, torch.device("cpu"))
+    layers = target_shape(cfg).num_layers
+    ids = stored_layer_ids(layers, cfg, verifier=True)
+    assert ids == [*resolve_layer_ids(layers, cfg), layers - 1]
+    last: list[torch.Tensor] = []
+    hook = model.get_decoder().layers[-1].register_forward_hook(
+        lambda module, args, out: last.append(out[0] if isinstance(out, tuple) else out))
+    rows = torch.randint(3, 49152, (2, 21), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        logits = model(rows).logits.float()
+    hook.remove()
+    states = LayerCapture(model, ids)(rows, torch.ones_like(rows))
+    assert states.shape[-1] == len(ids) * 64
+    assert torch.equal(states[..., -64:], last[0].to(torch.bfloat16))
+    head = load_target_head(cfg, "cpu", verifier=True)
+    with torch.no_grad():
+        ours = head.teacher_logits(head.verifier_normed(last[0]))
+    torch.testing.assert_close(ours, logits, rtol=1e-5, atol=1e-5)
 
 
 def test_a_moe_target_without_a_dense_mlp_gets_a_drafter(targets, tmp_path):

@@ -12,7 +12,7 @@ import yaml
 from dflash_stream.cli import main
 from dflash_stream.config import ConfigError, load_config
 from dflash_stream.errors import DFlashError
-from dflash_stream.observe.plan import TargetShape, build_plan, read_launch
+from dflash_stream.observe.plan import TargetShape, build_plan, read_launch, render_plan
 from dflash_stream.sizing.memory import (
     DrafterDims,
     startup_check,
@@ -71,6 +71,19 @@ def test_drafter_and_target_parameter_counts_match_the_real_modules():
         assert not target_dims(shape).assumed
 
 
+def test_dflash2_parameter_count_matches_the_real_module():
+    from dflash_stream.drafter import DFlash2Drafter, DrafterSpec
+
+    shape = dict(hidden_size=64, intermediate_size=96, num_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                 head_dim=24, vocab_size=300, block_size=8)
+    kw = dict(kind="dflash2", conv_kernel_size=3, conv_group_size=8, selector_rank=12, selector_top_k=5)
+    dims = DrafterDims(**shape, context_layers=5, **kw)
+    drafter = DFlash2Drafter(DrafterSpec(**shape, **kw, rope_theta=1e4, rms_norm_eps=1e-6, mask_token_id=299,
+                                         target_layer_ids=[0, 1, 2, 3, 4], num_target_layers=6))
+    assert dims.num_parameters == sum(p.numel() for p in drafter.parameters())
+    assert dims.linear_parameters == sum(m.weight.numel() for m in drafter.modules() if isinstance(m, torch.nn.Linear))
+
+
 def test_unknown_target_widths_are_assumed_and_named():
     dims = target_dims(TargetShape("llama", 64, 5120, None, None, "hints"))
     assert dims.vocab_size == 151_936 and dims.intermediate_size == 8 * 5120 // 3
@@ -91,9 +104,10 @@ def test_worst_train_batch_is_the_batchers_largest():
     assert worst.rows == worst.sequences * worst.anchors * (b - 1)
 
 
-def _trainer(batch, **kw):
+def _trainer(batch, kind="dflash", **kw):
     dims = DrafterDims(hidden_size=256, intermediate_size=768, num_layers=2, num_attention_heads=4,
-                       num_key_value_heads=2, head_dim=64, context_layers=3, vocab_size=16384, block_size=16)
+                       num_key_value_heads=2, head_dim=64, context_layers=3, vocab_size=16384, block_size=16,
+                       kind=kind)
     args = {"bf16": False, "flex": False, "chunk_rows": 1024, "tied_head": False, "foreach": False, **kw}
     return dims, trainer_memory(dims, batch, **args)
 
@@ -120,14 +134,19 @@ def test_trainer_parts():
     assert unchunked >= big.rows * 16384 * 8
 
 
-def test_saved_activations_match_what_autograd_keeps():
+@pytest.mark.parametrize("kind", ["dflash", "dflash2"])
+def test_saved_activations_match_what_autograd_keeps(kind):
     """The per-layer byte counts are what the real drafter saves for backward (float32, SDPA), counted with
-    saved-tensor hooks, within 5 %."""
+    saved-tensor hooks, within 5 %; a DFlash2 drafter's convolutions included."""
     from dflash_stream.bench.memory import DRAFTER, _drafter_parts
+    from dflash_stream.drafter import DFlash2Drafter, DrafterSpec
 
     batch = train_batch(2, 128, 32, DRAFTER["block_size"])
-    dims, est = _trainer(batch, chunk_rows=256)
+    dims, est = _trainer(batch, chunk_rows=256, kind=kind)
     drafter, head, _, _ = _drafter_parts(DRAFTER, torch.device("cpu"))
+    if kind == "dflash2":
+        torch.manual_seed(0)
+        drafter = DFlash2Drafter(DrafterSpec(**{**vars(drafter.spec), "kind": kind}), attention="sdpa")
     params = {p.untyped_storage().data_ptr() for p in [*drafter.parameters(), *head.parameters()]}
     from dflash_stream.drafter import dflash_loss
 
@@ -243,6 +262,26 @@ def test_plan_json_contract_for_the_headline_job(capsys):
     assert roles["wall_seconds"] == min(a["wall_seconds"] for a in roles["alternatives"])
     assert plan["time"]["regenerate_seconds"] > 0
     assert plan["time"]["total_seconds"] == pytest.approx(roles["wall_seconds"])
+
+
+def test_kl_loss_counts_the_verifier_and_fits_the_headline_plan(capsys):
+    """train.loss kl on the headline job: one more layer per token on disk and in the batch, the forward to the
+    last layer, the teacher's distribution beside the logits in the loss's chunk; still within a 96 GB GPU."""
+    base = ["plan", "--config", str(HEADLINE), "--launch", str(ROOT / "launch" / "4gpu.yaml"), "--gpu-memory", "96GB",
+            "--samples", "914000", "--json"]
+    assert main(base) == 0
+    ce = json.loads(capsys.readouterr().out)
+    assert main([*base, "--train.loss=kl"]) == 0
+    kl = json.loads(capsys.readouterr().out)
+    assert ce["target"]["verifier_layer"] is None and kl["target"]["verifier_layer"] == 63
+    assert kl["volume"]["raw_bytes_per_token"] == ce["volume"]["raw_bytes_per_token"] * 6 // 5  # 6 layers, not 5
+    trainer, before = kl["memory"]["trainer"], ce["memory"]["trainer"]
+    chunk, vocab, rows, dim = 2048, 248_320, trainer["worst_batch"]["supervised_rows"], 5120
+    assert trainer["parts"]["loss_working_set"] - before["parts"]["loss_working_set"] == chunk * vocab * 6 + rows * dim * 4
+    assert trainer["fits"] is True
+    assert kl["time"]["phases"]["extract"]["tok_s_per_process"] < ce["time"]["phases"]["extract"]["tok_s_per_process"]
+    assert kl["time"]["phases"]["train"]["tok_s_per_process"] < ce["time"]["phases"]["train"]["tok_s_per_process"]
+    assert "and the verifier's layer 63" in render_plan(kl)
 
 
 def test_overrides_change_the_trainers_memory_and_a_misfit_names_its_knob(capsys):

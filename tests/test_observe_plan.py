@@ -117,6 +117,12 @@ def test_plan_local_model_local_data_and_tune(tmp_path: Path) -> None:
     (out / "tune.json").write_text(json.dumps({**tune, "layer_ids": [2, 13, 25]}))
     other = build_plan(cfg)
     assert other["volume"]["ratio"] == 2.4 and any("another target" in w for w in other["warnings"])
+    # A tune measured without the verifier's layer does not size a run that stores it, nor the other way round.
+    (out / "tune.json").write_text(json.dumps(tune))
+    verifier_cfg = load_config(path, ["--extract.verifier_states=on"])
+    assert build_plan(verifier_cfg)["volume"]["ratio"] == 2.4
+    (out / "tune.json").write_text(json.dumps({**tune, "verifier_states": True}))
+    assert build_plan(verifier_cfg)["volume"]["ratio"] == 2.5 and build_plan(cfg)["volume"]["ratio"] == 2.4
 
 
 def test_plan_warns_on_small_budget_and_hub_model(tmp_path: Path, capsys) -> None:

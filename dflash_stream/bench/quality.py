@@ -8,12 +8,17 @@ the same seeds and the same number of optimizer steps, so the variants differ on
 - `offline`: budget above the whole dump, and every epoch a fresh shuffle of all samples (epoch_source reextract);
 - `streamed`: the ring buffer at 10 % of the dump, epoch_source reuse (the default);
 - `reextract`: the ring buffer at 10 %, every epoch a fresh shuffle replayed again;
-- `fp8`: as streamed, coded in fp8 (its budget 10 % of its own, smaller, dump).
+- `fp8`: as streamed, coded in fp8 (its budget 10 % of its own, smaller, dump);
+- `streamed+kl`: as streamed, trained with train.loss kl (KL to the target's own distribution, from the verifier's
+  state the kept store then holds for every variant: extract.verifier_states on);
+- `dflash2`: as streamed, a DFlash2 drafter (drafter.kind dflash2: convolutions and the candidate selector).
 
 Each exported drafter is scored the same way on the held-out samples' states: the decay-weighted loss and the
 per-slot accuracy over every eligible anchor (no sampling, so the score has no noise of its own), and the
 acceptance length tau of `eval` on every held-out prompt (the target loaded once in this process, its own
-greedy outputs computed once for all drafters). The window sweep trains `streamed` at other budgets.
+greedy outputs computed once for all drafters). The held-out loss is the head's cross-entropy on the data for
+every variant (whatever it trained on; a DFlash2 drafter's selector loss left out), the accuracy the drafter's own
+pick (a DFlash2 drafter's: the selector's). The window sweep trains `streamed` at other budgets.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +42,11 @@ import torch
 from dflash_stream.config import Config, config_from_dict, dump_config, load_config
 from dflash_stream.errors import DFlashError
 
-VARIANTS = ("offline", "streamed", "reextract", "fp8")
+VARIANTS = ("offline", "streamed", "reextract", "fp8", "streamed+kl", "dflash2")
+NEEDS_VERIFIER = frozenset({"streamed+kl"})
+"""Variants whose training reads the verifier's state: with any of them the kept stores hold it."""
+STREAMED_LIKE = ("streamed+kl", "dflash2")
+"""Variants that differ from `streamed` in one thing each, judged against it too."""
 STREAMED_FRACTION = 0.1
 SWEEP = (0.1, 0.02)
 OFFLINE_HEADROOM = 1.25
@@ -195,6 +204,7 @@ def heldout_score(drafter_dir: Path | None, head, heldout: list, cfg: Config) ->
     from dflash_stream.drafter import DFlashDrafter, build_spec, dflash_loss
     from dflash_stream.drafter.batches import Member, collate
     from dflash_stream.drafter.export import load_drafter
+    from dflash_stream.drafter.loss import Objective
     from dflash_stream.target_model import resolve_layer_ids, target_shape
 
     if drafter_dir is None:
@@ -205,6 +215,9 @@ def heldout_score(drafter_dir: Path | None, head, heldout: list, cfg: Config) ->
     else:
         drafter, spec = load_drafter(drafter_dir, "cpu")
     drafter.eval()
+    # The cross-entropy on the data, whatever the variant trained on: the one objective every drafter can be
+    # scored by (a DFlash2 drafter's selector loss left out; its accuracy is still its selector's pick).
+    cross_entropy = Objective(ce_weight=1.0, kl_weight=0.0, selector_weight=0.0)
     ordered = sorted(heldout, key=lambda s: len(s.input_ids))
     loss_sum = weight = 0.0
     correct = torch.zeros(spec.block_size - 1)
@@ -217,7 +230,8 @@ def heldout_score(drafter_dir: Path | None, head, heldout: list, cfg: Config) ->
                 end += 1
             batch = collate([Member("heldout", s) for s in ordered[start:end]], torch.device("cpu"))
             out = dflash_loss(drafter, head, batch, num_anchors=cfg.data.max_length, gamma=cfg.train.gamma,
-                              generator=torch.Generator().manual_seed(0), chunk_rows=cfg.train.loss_chunk_rows)
+                              generator=torch.Generator().manual_seed(0), chunk_rows=cfg.train.loss_chunk_rows,
+                              objective=cross_entropy)
             loss_sum += float(out.loss * out.weight)
             weight += float(out.weight)
             correct += out.correct
@@ -239,6 +253,7 @@ class Run:
     train: dict[str, Any]
     store: dict[str, Any]
     evaluate: bool
+    drafter: dict[str, Any] = field(default_factory=dict)
 
     @property
     def folder(self) -> str:
@@ -251,8 +266,10 @@ def plan_runs(variants: list[str], seeds: int, sweep: list[float]) -> list[Run]:
         for v in variants:
             source = "reextract" if v in ("offline", "reextract") else "reuse"
             fraction = OFFLINE_HEADROOM if v == "offline" else STREAMED_FRACTION
-            runs.append(Run(v, seed, fraction, {"epoch_source": source, "seed": seed},
-                            {"codec": "fp8" if v == "fp8" else "lossless"}, evaluate=True))
+            runs.append(Run(v, seed, fraction, {"epoch_source": source, "seed": seed,
+                                                **({"loss": "kl"} if v == "streamed+kl" else {})},
+                            {"codec": "fp8" if v == "fp8" else "lossless"}, evaluate=True,
+                            drafter={"kind": "dflash2"} if v == "dflash2" else {}))
     for seed in range(seeds):
         for f in sweep:
             if not (math.isclose(f, STREAMED_FRACTION) and "streamed" in variants):
@@ -267,7 +284,7 @@ def _train(run: Run, base: Config, work: Path, kept: Path, budget: int, steps: i
     out = work / run.folder
     shutil.rmtree(out, ignore_errors=True)
     cfg = _config(base, out, extract={"from_store": str(kept)},
-                  store={**run.store, "budget": budget},
+                  store={**run.store, "budget": budget}, drafter=run.drafter,
                   train={**run.train, "total_steps": steps, "max_steps": steps},
                   eval={"prompts": None})  # tau: the bench's Evaluator, once the drafter is out
     seconds = _launch("run", cfg, threads)
@@ -294,17 +311,21 @@ def bench_quality(args: argparse.Namespace) -> int:
     temporary = args.keep is None
     work = Path(tempfile.mkdtemp(prefix="dflash-quality-")) if temporary else Path(args.keep)
     work.mkdir(parents=True, exist_ok=True)
-    base = load_config(args.config, args.overrides)
     variants = [v for v in args.variants.split(",") if v]
     unknown = sorted(set(variants) - set(VARIANTS))
     if unknown:
         raise DFlashError(f"--variants: unknown {unknown}; allowed: {', '.join(VARIANTS)}")
+    verifier = bool(NEEDS_VERIFIER & set(variants))
+    # One stream for every variant: with a KL variant the kept stores hold the verifier's state for all of them
+    # (in folders of their own, so a kept dump without it is not replayed into runs that need it).
+    base = load_config(args.config, [*args.overrides, *(["--extract.verifier_states=on"] if verifier else [])])
+    dumps = "+verifier" if verifier else ""
     sweep = [float(f) for f in args.sweep.split(",") if f]
     if args.seeds < 1 or args.jobs < 1 or any(not 0 < f <= 1 for f in sweep):
         raise DFlashError("--seeds and --jobs must be >= 1 and --sweep fractions in (0, 1]")
     try:
-        kept = _extract_once(_config(base, work / "dump"))
-        heldout_cfg = _config(base, work / "heldout",
+        kept = _extract_once(_config(base, work / f"dump{dumps}"))
+        heldout_cfg = _config(base, work / f"heldout{dumps}",
                               data={"sources": [{"path": HELDOUT_PROMPTS, "weight": HELDOUT_COPIES}]})
         heldout_store = _extract_once(heldout_cfg)
 
@@ -415,6 +436,10 @@ def _report(results: dict[str, list[dict[str, Any]]], variants: list[str], sweep
         out["parity"] = {v: _parity(out["variants"][v], ref) for v in variants if v != "offline"}
         for w in out["window_sweep"]:
             w["within_offline"] = _parity(w, ref, tau=False)["loss_within"]
+    if "streamed" in out["variants"]:
+        # Each of these changes one thing of `streamed` (the objective, the drafter): the same bar against it.
+        out["versus_streamed"] = {v: _parity(out["variants"][v], out["variants"]["streamed"])
+                                  for v in STREAMED_LIKE if v in out["variants"]}
     out.update({"seeds": list(range(seeds)), "minutes": round((time.monotonic() - started) / 60, 1),
                 "steps": steps, "samples": samples, "samples_per_step": samples_per_step,
                 "heldout_samples": heldout, "unigram_loss": unigram,
@@ -439,13 +464,20 @@ def _parity(v: dict[str, Any], ref: dict[str, Any], tau: bool = True) -> dict[st
 
 
 def _table(report: dict[str, Any]) -> list[str]:
-    lines = [f"{'variant':<10} {'held-out loss':>14} {'spread':>8} {'slot-1 acc':>10} {'tau':>7} {'tau spread':>10} "
-             f"{'budget/dump':>11}"]
+    lines = [f"{'variant':<11} {'held-out loss':>14} {'spread':>8} {'acc slots 1-3':>17} {'tau':>7} {'tau spread':>10} "
+             f"{'tau stderr':>10} {'budget/dump':>11}"]
     for name, v in report["variants"].items():
         tau = f"{v['tau']:.3f}" if v["tau"] is not None else "-"
         tau_spread = f"{v['tau_spread']:.3f}" if v["tau_spread"] is not None else "-"
-        lines.append(f"{name:<10} {v['heldout_loss']:>14.4f} {v['heldout_loss_spread']:>8.4f} {v['acc'][0]:>10.3f} "
-                     f"{tau:>7} {tau_spread:>10} {v['budget_bytes'] / v['dump_bytes']:>11.1%}")
+        tau_stderr = f"{v['tau_stderr']:.3f}" if v["tau_stderr"] is not None else "-"
+        acc = "/".join(f"{a:.3f}" for a in v["acc"][:3])
+        lines.append(f"{name:<11} {v['heldout_loss']:>14.4f} {v['heldout_loss_spread']:>8.4f} {acc:>17} "
+                     f"{tau:>7} {tau_spread:>10} {tau_stderr:>10} {v['budget_bytes'] / v['dump_bytes']:>11.1%}")
+    for name, verdict in report.get("versus_streamed", {}).items():
+        tau = (f", tau gap {verdict['tau_gap']:+.3f} (noise {verdict['tau_noise']:.3f})"
+               if "tau_noise" in verdict else "")
+        lines.append(f"{name} vs streamed: loss gap {verdict['loss_gap']:+.4f} (tolerance "
+                     f"{verdict['loss_tolerance']:.4f}){tau}")
     lines.append(f"unigram level {report['unigram_loss']:.4f}, untrained drafter {report['untrained_loss']:.4f}; "
                  f"{report['steps']} steps per run, seeds {report['seeds']}, {report['minutes']} minutes")
     lines.append("window sweep (streamed, epoch_source reuse): " + ", ".join(

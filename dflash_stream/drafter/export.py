@@ -13,8 +13,18 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from dflash_stream.config import ConfigError
+from dflash_stream.drafter.dflash2 import build_drafter
 from dflash_stream.drafter.model import DFlashDrafter
-from dflash_stream.drafter.spec import CONFIG, WEIGHTS, DrafterSpec, spec_from_zlab_config
+from dflash_stream.drafter.spec import (
+    ARCHITECTURES,
+    CONFIG,
+    DFLASH,
+    DFLASH2,
+    DFLASH2_FIELDS,
+    WEIGHTS,
+    DrafterSpec,
+    spec_from_zlab_config,
+)
 from dflash_stream.log import get_logger
 
 log = get_logger(__name__)
@@ -30,7 +40,8 @@ ignore it."""
 
 
 def drafter_state(drafter: DFlashDrafter) -> dict[str, Tensor]:
-    """The drafter's weights under the z-lab names (`layers.N...`, `fc`, `hidden_norm`, `norm`)."""
+    """The drafter's weights under the z-lab names (`layers.N...`, `fc`, `hidden_norm`, `norm`; DFlash2 adds
+    `layers.N.attention_conv/mlp_conv.*` and `candidate_selector.*`, vLLM's names)."""
     return {name: t.detach().contiguous() for name, t in drafter.state_dict().items()}
 
 
@@ -39,9 +50,12 @@ def _str_dtype(dtype: torch.dtype) -> str:
 
 
 def zlab_config(spec: DrafterSpec, dtype: torch.dtype = torch.bfloat16) -> dict[str, Any]:
-    """`config.json` of a z-lab DFlash checkpoint: a Qwen3 config plus the DFlash fields."""
+    """`config.json` of a z-lab DFlash checkpoint: a Qwen3 config plus the DFlash fields; a DFlash2 drafter's as vLLM's
+    qwen3_dflash2.py reads it (architectures DFlash2DraftModel, its fields in dflash_config), without `auto_map`:
+    the transformers modeling file (`dflash.py`) is DFlash's."""
+    dflash2 = spec.kind == DFLASH2
     return {
-        "architectures": ["DFlashDraftModel"],
+        "architectures": [ARCHITECTURES[spec.kind]],
         "model_type": "qwen3",
         "hidden_size": spec.hidden_size,
         "intermediate_size": spec.intermediate_size,
@@ -65,8 +79,8 @@ def zlab_config(spec: DrafterSpec, dtype: torch.dtype = torch.bfloat16) -> dict[
         "block_size": spec.block_size,
         "num_target_layers": spec.num_target_layers,
         "dflash_config": {"mask_token_id": spec.mask_token_id, "target_layer_ids": list(spec.target_layer_ids),
-                          **_embedding_scale(spec)},
-        "auto_map": AUTO_MAP,
+                          **_embedding_scale(spec), **(_dflash2_fields(spec) if dflash2 else {})},
+        **({} if dflash2 else {"auto_map": AUTO_MAP}),
     }
 
 
@@ -74,6 +88,13 @@ def _embedding_scale(spec: DrafterSpec) -> dict[str, float]:
     """The target's embedding scale under the name vLLM's DFlash2 reads (its DFlash model, SGLang and z-lab's code
     ignore it: they get the scale from the target's embedding module, or not at all; `docs/engines.md`)."""
     return {} if spec.embed_scale == 1.0 else {"input_embedding_scale": spec.embed_scale}
+
+
+def _dflash2_fields(spec: DrafterSpec) -> dict[str, Any]:
+    """dflash_config's DFlash2 fields; the candidates' logits are the target's LM head's as training scored them
+    (no output multiplier, no softcap)."""
+    return {**{name: getattr(spec, name) for name in DFLASH2_FIELDS}, "input_embedding_scale": spec.embed_scale,
+            "output_multiplier": 1.0, "final_logit_softcapping": None}
 
 
 def _layout_fields(spec: DrafterSpec) -> dict[str, Any]:
@@ -87,11 +108,11 @@ def _layout_fields(spec: DrafterSpec) -> dict[str, Any]:
             "layer_types": list(spec.layer_types)}
 
 
-def vllm_embedding_note(embed_scale: float, own_embedding: bool) -> str | None:
+def vllm_embedding_note(embed_scale: float, own_embedding: bool, kind: str = DFLASH) -> str | None:
     """One line when vLLM would feed a drafter other embeddings than it was trained with, else None: vLLM's DFlash
     model embeds through the target's table without the scale some families apply inside their embedding module
     (Gemma: √hidden), unless the export carries its own scaled table."""
-    if embed_scale == 1.0 or own_embedding:
+    if embed_scale == 1.0 or own_embedding or kind == DFLASH2:  # vLLM's DFlash2 reads input_embedding_scale
         return None
     return (f"vLLM's DFlash model feeds this drafter the target's embedding rows unscaled, {embed_scale:.4g}x smaller "
             "than in training (the target scales them inside its embedding module): its tau there drops; SGLang and "
@@ -110,18 +131,19 @@ def export_drafter(drafter: DFlashDrafter, spec: DrafterSpec, out_dir: str | Pat
     dtype = next(iter(state.values())).dtype
     if embedding is not None:
         state[OWN_EMBEDDING] = embedding.detach().to(dtype).contiguous()
-    elif note := vllm_embedding_note(spec.embed_scale, False):
+    elif note := vllm_embedding_note(spec.embed_scale, False, spec.kind):
         log.warning("export %s: %s", out, note)
     save_file(state, out / WEIGHTS, metadata={"format": "pt"})
     (out / CONFIG).write_text(json.dumps(zlab_config(spec, dtype), indent=2) + "\n")
-    shutil.copyfile(Path(__file__).with_name("hf_modeling.py"), out / MODELING)
+    if spec.kind != DFLASH2:
+        shutil.copyfile(Path(__file__).with_name("hf_modeling.py"), out / MODELING)
     return out
 
 
 def _build(spec: DrafterSpec, weights: Path, device: torch.device | str | None) -> DFlashDrafter:
     state = load_file(weights, device=str(device or "cpu"))
     state.pop(OWN_EMBEDDING, None)  # for vLLM; the drafter embeds through the target's head
-    drafter = DFlashDrafter(spec).to(device=device, dtype=next(iter(state.values())).dtype)
+    drafter = build_drafter(spec).to(device=device, dtype=next(iter(state.values())).dtype)
     drafter.load_state_dict(state, strict=True)
     return drafter
 
@@ -136,7 +158,8 @@ def load_init_weights(drafter: DFlashDrafter, folder: str | Path) -> None:
     missing, extra = sorted(set(ours) - set(state)), sorted(set(state) - set(ours))
     if missing or extra:
         what = f"lacks {', '.join(missing[:3])}" if missing else f"has extra tensors {', '.join(extra[:3])}"
-        raise ConfigError(f"drafter.init_from: {path} {what}; it is not a DFlash drafter of this architecture")
+        raise ConfigError(f"drafter.init_from: {path} {what}; it is not a {drafter.spec.kind} drafter of this "
+                          "architecture")
     for name, t in state.items():
         if t.shape != ours[name].shape:
             raise ConfigError(f"drafter.init_from: {name} is {list(t.shape)} in {path}, "

@@ -1,9 +1,11 @@
-"""Training objective: anchors, blocks, same-position labels and the decay-weighted cross-entropy.
+"""Training objective: anchors, blocks, same-position labels and the decay-weighted loss: cross-entropy on the data's
+tokens, KL divergence to the verifier's distribution (train.loss), and a DFlash2 drafter's selector loss.
 
 The LM head dominates training memory: every supervised slot needs a row of vocabulary logits, so a micro-batch
 of 16 sequences x 512 anchors x 15 slots at a 151,936-token vocabulary would hold ~37 GB of bf16 logits (and twice
 that in float32). `head_cross_entropy` therefore computes the head and the loss `chunk_rows` rows at a time and
-recomputes each chunk's logits in backward, so its working set is chunk_rows x vocab whatever the row count.
+recomputes each chunk's logits in backward, so its working set is chunk_rows x vocab whatever the row count (twice
+that with a KL term: the teacher's distribution is made from the stored verifier state chunk by chunk too).
 """
 
 from __future__ import annotations
@@ -14,9 +16,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.utils.checkpoint import checkpoint
 
+from dflash_stream.config import TrainConfig
+from dflash_stream.drafter.dflash2 import CandidateSelector, DFlash2Drafter
 from dflash_stream.drafter.head import TargetHead
 from dflash_stream.drafter.model import DFlashDrafter
+from dflash_stream.drafter.spec import DrafterSpec
 
 
 @dataclass
@@ -84,77 +90,244 @@ DEFAULT_CHUNK_ROWS = 2048
 """Rows of logits alive at once: 2048 x 151,936 x 6 B (bf16 logits + their float32 copy) is ~1.9 GB."""
 
 
+@dataclass(frozen=True)
+class Objective:
+    """What the loss is made of (train.loss): ce_weight x cross-entropy on the data's next tokens + kl_weight x KL
+    to the verifier's distribution, per supervised slot; and, for a DFlash2 drafter, selector_weight x its
+    candidate selector's loss. Each term is decay-weighted per slot and divided by the same weight sum."""
+
+    ce_weight: float = 1.0
+    kl_weight: float = 0.0
+    selector_weight: float = 1.0
+
+    @classmethod
+    def from_config(cls, train: TrainConfig) -> Objective:
+        ce, kl = train.loss_weights
+        return cls(ce_weight=ce, kl_weight=kl, selector_weight=train.selector_weight)
+
+    @property
+    def uses_verifier(self) -> bool:
+        return self.kl_weight > 0
+
+
+CE = Objective()
+"""Today's objective: cross-entropy alone (z-lab's recipe)."""
+
+
+@dataclass
+class HeadTerms:
+    """The LM head's share of the loss over R supervised rows (see `head_loss`)."""
+
+    total: Tensor
+    """sum_r w_r x (ce_weight x CE_r + kl_weight x KL_r), float32."""
+    hits: Tensor
+    """[R] bool: the head's argmax is the row's label."""
+    candidates: Tensor
+    """[R, K] long: the head's top-K ids per row, the selector's target put last where the K missed it ([R, 0]
+    without candidates)."""
+    candidate_logits: Tensor
+    """[R, K] float32 logits of `candidates`, with a gradient (the selector's unary scores)."""
+    selector_target: Tensor
+    """[R] long: the label, or the verifier's argmax with `select_teacher` (empty without candidates)."""
+
+
 def _chunk_logits(hidden: Tensor, weight: Tensor) -> Tensor:
     """float32 logits of one chunk, computed in the head's dtype like `TargetHead.logits` (bf16 under autocast)."""
     return F.linear(hidden.to(weight.dtype), weight).float()
 
 
+LSE_SLICE = 16_384
+"""Vocabulary entries per slice of `_row_logsumexp`: its temporary is rows x LSE_SLICE, not rows x vocab."""
+
+
+def _row_logsumexp(x: Tensor) -> Tensor:
+    """log sum exp over the last dim of [rows, vocab] without a second [rows, vocab] buffer (torch.logsumexp makes
+    one), a vocabulary slice at a time."""
+    peak = x.amax(-1, keepdim=True)
+    total = sum(x[:, i : i + LSE_SLICE].sub(peak).exp_().sum(-1) for i in range(0, x.shape[-1], LSE_SLICE))
+    return total.log_() + peak.squeeze(-1)
+
+
+def _teacher_log_probs(normed: Tensor, weight: Tensor, softcap: float | None) -> Tensor:
+    """float32 log-probabilities of the target's own next token from `TargetHead.verifier_normed` rows: the
+    same computation as `TargetHead.teacher_logits`, then log-softmax in place."""
+    logits = _chunk_logits(normed, weight)
+    if softcap:
+        logits = logits.div_(softcap).tanh_().mul_(softcap)
+    return logits.sub_(_row_logsumexp(logits)[:, None])
+
+
+@dataclass(frozen=True)
+class _Setup:
+    """The non-tensor arguments of the chunked head loss."""
+
+    chunk_rows: int
+    ce_weight: float
+    kl_weight: float
+    softcap: float | None
+    top_k: int
+    select_teacher: bool
+
+
+def _candidates(logits: Tensor, chosen: Tensor, top_k: int) -> tuple[Tensor, Tensor]:
+    """(top-k ids, their logits) per row, `chosen` put in the last place where the top-k missed it (speculators'
+    DFlash2 training candidates: the selector's target must be among them)."""
+    values, ids = logits.topk(top_k, dim=-1)
+    missed = ~(ids == chosen[:, None]).any(-1)
+    last = torch.where(missed, chosen, ids[:, -1])
+    ids = torch.cat((ids[:, :-1], last[:, None]), dim=1)
+    return ids, logits.gather(1, ids)
+
+
 # One chunk per call: its logits die when the call returns, before the next chunk's are made.
-def _chunk_forward(hidden: Tensor, weight: Tensor, target: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """(log-sum-exp, logit of the target, argmax hit) per row."""
+def _chunk_forward(hidden: Tensor, weight: Tensor, target: Tensor, teacher: Tensor | None, setup: _Setup
+                   ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(log-sum-exp, the objective, argmax hit, candidates, their logits, selector target) per row."""
     logits = _chunk_logits(hidden, weight)
     picked = logits.gather(1, target[:, None]).squeeze(1)
     hits = logits.argmax(-1) == target
-    peak = logits.amax(-1, keepdim=True)
-    lse = logits.sub_(peak).exp_().sum(-1).log_() + peak.squeeze(1)  # in place: no second [rows, vocab] buffer
-    return lse, picked, hits
+    log_p = None if teacher is None else _teacher_log_probs(teacher, weight, setup.softcap)
+    chosen = log_p.argmax(-1) if log_p is not None and setup.select_teacher else target
+    if setup.top_k:
+        candidates, candidate_logits = _candidates(logits, chosen, setup.top_k)
+    else:
+        candidates = candidate_logits = logits.new_empty(0)
+    if log_p is None:
+        peak = logits.amax(-1, keepdim=True)
+        lse = logits.sub_(peak).exp_().sum(-1).log_() + peak.squeeze(1)  # in place: no second [rows, vocab] buffer
+    else:
+        # KL(p || q) = sum p (log p - log q), term by term (a difference of the summed parts loses the small KL to
+        # rounding), in the two buffers already there: logits -> log p - log q -> p (log p - log q).
+        lse = _row_logsumexp(logits)
+        kl = logits.sub_(lse[:, None]).neg_().add_(log_p).mul_(log_p.exp_()).sum(-1)
+        del log_p
+    objective = lse - picked
+    if setup.ce_weight != 1.0:
+        objective = objective * setup.ce_weight
+    if setup.kl_weight:
+        objective = objective + setup.kl_weight * kl
+    return lse, objective, hits, candidates, candidate_logits, chosen
 
 
-def _chunk_backward(hidden: Tensor, weight: Tensor, target: Tensor, lse: Tensor, scale: Tensor) -> Tensor:
-    """d(sum scale * CE)/d hidden: the logits recomputed and turned in place into scale * (softmax - onehot)."""
+def _chunk_backward(hidden: Tensor, weight: Tensor, target: Tensor, teacher: Tensor | None, lse: Tensor,
+                    scale: Tensor, setup: _Setup, candidates: Tensor | None, grad_candidates: Tensor | None) -> Tensor:
+    """d(sum scale * objective + grad_candidates . candidate logits)/d hidden: the logits recomputed and turned in
+    place into scale * ((ce + kl) x softmax - ce x onehot - kl x teacher), plus the candidates' own gradient."""
     grad = _chunk_logits(hidden, weight).sub_(lse[:, None]).exp_()
-    grad[torch.arange(grad.shape[0], device=grad.device), target] -= 1.0
+    both = setup.ce_weight + setup.kl_weight
+    if both != 1.0:
+        grad.mul_(both)
+    if setup.ce_weight:
+        grad[torch.arange(grad.shape[0], device=grad.device), target] -= setup.ce_weight
+    if setup.kl_weight:
+        grad.sub_(_teacher_log_probs(teacher, weight, setup.softcap).exp_().mul_(setup.kl_weight))
     grad.mul_(scale[:, None])
+    if grad_candidates is not None:
+        grad.scatter_add_(1, candidates, grad_candidates.float())
     return (grad.to(weight.dtype) @ weight).to(hidden.dtype)
 
 
-class _ChunkedHeadCE(torch.autograd.Function):
-    """sum_r w_r * CE(hidden_r @ W^T, target_r) and the argmax hits, `chunk_rows` rows of logits at a time.
+class _ChunkedHeadLoss(torch.autograd.Function):
+    """sum_r w_r x objective_r (see `head_loss`), the argmax hits and the top-k candidates, `chunk_rows` rows of
+    logits at a time.
 
-    Forward keeps only each row's log-sum-exp; backward recomputes a chunk's logits to get its gradient. The
-    head is frozen, so only the hidden rows get a gradient.
+    Forward keeps only each row's log-sum-exp; backward recomputes a chunk's logits (and the teacher's) to get its
+    gradient. The head is frozen, so only the hidden rows get a gradient.
     """
 
     @staticmethod
-    def forward(ctx, hidden: Tensor, weight: Tensor, target: Tensor, weights: Tensor, chunk_rows: int
-                ) -> tuple[Tensor, Tensor]:
-        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        lse = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
-        hits = torch.empty(hidden.shape[0], dtype=torch.bool, device=hidden.device)
-        for start in range(0, hidden.shape[0], chunk_rows):
-            rows = slice(start, start + chunk_rows)
-            lse[rows], picked, hits[rows] = _chunk_forward(hidden[rows], weight, target[rows])
-            total += (weights[rows] * (lse[rows] - picked)).sum()
-        ctx.save_for_backward(hidden, weight, target, weights, lse)
-        ctx.chunk_rows = chunk_rows
-        ctx.mark_non_differentiable(hits)
-        return total, hits
+    def forward(ctx, hidden: Tensor, weight: Tensor, target: Tensor, weights: Tensor, teacher: Tensor | None,
+                setup: _Setup) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+        rows, k = hidden.shape[0], setup.top_k
+        dev = hidden.device
+        total = torch.zeros((), dtype=torch.float32, device=dev)
+        lse = torch.empty(rows, dtype=torch.float32, device=dev)
+        hits = torch.empty(rows, dtype=torch.bool, device=dev)
+        candidates = torch.empty(rows, k, dtype=torch.long, device=dev)
+        candidate_logits = torch.empty(rows, k, dtype=torch.float32, device=dev)
+        chosen = torch.empty(rows if k else 0, dtype=torch.long, device=dev)
+        for start in range(0, rows, setup.chunk_rows):
+            r = slice(start, start + setup.chunk_rows)
+            part = None if teacher is None else teacher[r]
+            lse[r], objective, hits[r], cand, cand_logits, selected = _chunk_forward(
+                hidden[r], weight, target[r], part, setup)
+            total += (weights[r] * objective).sum()
+            if k:
+                candidates[r], candidate_logits[r], chosen[r] = cand, cand_logits, selected
+        ctx.save_for_backward(hidden, weight, target, weights, lse, teacher, candidates)
+        ctx.setup = setup
+        ctx.mark_non_differentiable(hits, candidates, chosen)
+        return total, hits, candidates, candidate_logits, chosen
 
     @staticmethod
-    def backward(ctx, grad_total: Tensor, _grad_hits: Tensor) -> tuple[Tensor | None, ...]:
-        hidden, weight, target, weights, lse = ctx.saved_tensors
+    def backward(ctx, grad_total: Tensor, _hits: Tensor, _candidates: Tensor, grad_candidate_logits: Tensor | None,
+                 _chosen: Tensor) -> tuple[Tensor | None, ...]:
+        hidden, weight, target, weights, lse, teacher, candidates = ctx.saved_tensors
+        setup: _Setup = ctx.setup
         grad_hidden = torch.empty_like(hidden)
-        for start in range(0, hidden.shape[0], ctx.chunk_rows):
-            rows = slice(start, start + ctx.chunk_rows)
-            grad_hidden[rows] = _chunk_backward(hidden[rows], weight, target[rows], lse[rows],
-                                                weights[rows] * grad_total)
-        return grad_hidden, None, None, None, None
+        with_candidates = setup.top_k and grad_candidate_logits is not None
+        for start in range(0, hidden.shape[0], setup.chunk_rows):
+            r = slice(start, start + setup.chunk_rows)
+            grad_hidden[r] = _chunk_backward(
+                hidden[r], weight, target[r], None if teacher is None else teacher[r], lse[r],
+                weights[r] * grad_total, setup, candidates[r] if with_candidates else None,
+                grad_candidate_logits[r] if with_candidates else None)
+        return grad_hidden, None, None, None, None, None
 
 
-def head_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, weights: Tensor,
-                       chunk_rows: int | None = DEFAULT_CHUNK_ROWS) -> tuple[Tensor, Tensor]:
-    """(sum of weights x cross-entropy of the LM head's logits, argmax hits per row) for hidden [R, D].
+def _plain_head_loss(hidden: Tensor, weight: Tensor, target: Tensor, weights: Tensor, teacher: Tensor | None,
+                     setup: _Setup) -> HeadTerms:
+    """`head_loss` through plain autograd on all rows at once (memory R x vocab): the reference the chunked path
+    is tested and benchmarked against."""
+    logits = _chunk_logits(hidden, weight)
+    objective = F.cross_entropy(logits, target, reduction="none")
+    if setup.ce_weight != 1.0:
+        objective = objective * setup.ce_weight
+    chosen = target
+    if teacher is not None:
+        log_p = _teacher_log_probs(teacher, weight, setup.softcap)
+        chosen = log_p.argmax(-1) if setup.select_teacher else target
+        if setup.kl_weight:
+            kl = F.kl_div(logits.log_softmax(-1), log_p, reduction="none", log_target=True).sum(-1)
+            objective = objective + setup.kl_weight * kl
+    empty = logits.new_empty(hidden.shape[0], 0)
+    candidates, candidate_logits = (_candidates(logits, chosen, setup.top_k) if setup.top_k
+                                    else (empty.long(), empty))
+    return HeadTerms((weights * objective).sum(), (logits.argmax(-1) == target).detach(), candidates,
+                     candidate_logits, chosen if setup.top_k else target.new_empty(0))
+
+
+def head_loss(hidden: Tensor, weight: Tensor, target: Tensor, weights: Tensor, *,
+              chunk_rows: int | None = DEFAULT_CHUNK_ROWS, objective: Objective = CE, teacher: Tensor | None = None,
+              softcap: float | None = None, top_k: int = 0, select_teacher: bool = False) -> HeadTerms:
+    """The LM head's loss over hidden rows [R, D]: sum_r w_r x (ce_weight x CE(logits_r, target_r) + kl_weight x
+    KL(p_r || softmax(logits_r))), where p_r is the target's own distribution from `teacher` [R, D]
+    (`TargetHead.verifier_normed` rows, through the same head; `softcap` as the target applies it); and with
+    `top_k` the head's top-k candidates per row for a DFlash2 selector, aiming at the label (or at the teacher's
+    argmax with `select_teacher`).
 
     chunk_rows=None runs the head on all rows at once through plain autograd (memory R x vocab; the reference
     the chunked path is tested and benchmarked against).
     """
+    if objective.kl_weight and teacher is None:
+        raise ValueError("a KL objective needs the teacher rows (the verifier's normed states)")
+    setup = _Setup(chunk_rows or max(1, hidden.shape[0]), objective.ce_weight, objective.kl_weight, softcap, top_k,
+                   select_teacher)
     if chunk_rows is None:
-        logits = _chunk_logits(hidden, weight)
-        ce = F.cross_entropy(logits, target, reduction="none")
-        return (weights * ce).sum(), (logits.argmax(-1) == target).detach()
+        return _plain_head_loss(hidden, weight, target, weights, teacher, setup)
     # Autocast off: the chunks compute in the head's dtype explicitly, the same in forward and in backward.
     with torch.autocast(hidden.device.type, enabled=False):
-        return _ChunkedHeadCE.apply(hidden, weight, target, weights.float(), chunk_rows)
+        total, hits, candidates, candidate_logits, chosen = _ChunkedHeadLoss.apply(
+            hidden, weight, target, weights.float(), teacher, setup)
+    return HeadTerms(total, hits, candidates, candidate_logits, chosen)
+
+
+def head_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, weights: Tensor,
+                       chunk_rows: int | None = DEFAULT_CHUNK_ROWS) -> tuple[Tensor, Tensor]:
+    """(sum of weights x cross-entropy of the LM head's logits, argmax hits per row) for hidden [R, D]
+    (`head_loss` with the cross-entropy alone)."""
+    terms = head_loss(hidden, weight, target, weights, chunk_rows=chunk_rows)
+    return terms.total, terms.hits
 
 
 def dflash_loss(
@@ -167,18 +340,23 @@ def dflash_loss(
     generator: torch.Generator | None = None,
     num_blocks: int | None = None,
     chunk_rows: int | None = DEFAULT_CHUNK_ROWS,
+    objective: Objective = CE,
 ) -> LossOutput:
-    """Decay-weighted cross-entropy of all blocks of a batch, drafted in one forward pass.
+    """Decay-weighted loss (`objective`: cross-entropy by default) of all blocks of a batch, drafted in one
+    forward pass; a DFlash2 drafter adds its selector's loss (`DFlash2Drafter.selector_loss`).
 
-    batch: "hidden_states" [N, S, K*D], "input_ids" [N, S], "loss_mask" [N, S] (False on padding), "lengths" [N].
-    Block j is [input_ids[a_j], MASK x (B-1)] at positions a_j .. a_j+B-1; slot k predicts input_ids[a_j + k].
+    batch: "hidden_states" [N, S, K*D] (or [N, S, (K+1)*D] with the verifier's state last, which a KL objective
+    needs), "input_ids" [N, S], "loss_mask" [N, S] (False on padding), "lengths" [N].
+    Block j is [input_ids[a_j], MASK x (B-1)] at positions a_j .. a_j+B-1; slot k predicts input_ids[a_j + k],
+    and the verifier's distribution for that token is the target's output at position a_j + k - 1.
     `num_blocks` fixes A for a batch padded to a fixed shape (`drafter/shapes.py`); the loss is the same.
-    chunk_rows: rows of LM-head logits computed at a time (see `head_cross_entropy`).
+    chunk_rows: rows of LM-head logits computed at a time (see `head_loss`).
     """
     ids, loss_mask, lengths = batch["input_ids"], batch["loss_mask"].bool(), batch["lengths"]
     n, s = ids.shape
     bs = drafter.spec.block_size
     dev = ids.device
+    context_states, verifier_states = split_states(batch["hidden_states"], drafter.spec)
     anchors, valid = sample_anchors(loss_mask, num_anchors, generator, lengths=lengths, num_blocks=num_blocks)
     a = anchors.shape[1]
 
@@ -194,21 +372,77 @@ def dflash_loss(
     supervised = in_range & loss_mask.gather(1, safe_pos).view(n, a, bs - 1) & valid[..., None]
 
     ctx_pos = torch.arange(s, device=dev).expand(n, s)
-    context = drafter.context_kv(batch["hidden_states"], ctx_pos)
+    context = drafter.context_kv(context_states, ctx_pos)
     hidden = drafter(head.embed(block_ids.flatten(1)), positions.flatten(1), context, drafter.block_masks(anchors, s))
     # Only supervised slots reach the LM head: its [*, vocab] logits dominate memory.
     hidden = hidden.view(n, a, bs, -1)[:, :, 1:][supervised]
     target = labels[supervised]
     w = slot_weights(bs, gamma, dev).expand(n, a, bs - 1)[supervised]
-    ce_sum, hits = head_cross_entropy(hidden, head.lm_head_weight, target, w, chunk_rows)
+    selector = isinstance(drafter, DFlash2Drafter)
+    # The token before each label (slot 1's is the anchor): where the target predicted the label, and the
+    # selector's predecessor.
+    before = (label_pos - 1).clamp(max=s - 1).flatten(1)
+    teacher = None
+    if objective.uses_verifier:
+        if verifier_states is None:
+            raise ValueError("train.loss with kl needs the verifier's state in the batch (extract.verifier_states)")
+        rows = verifier_states.gather(1, before[..., None].expand(-1, -1, verifier_states.shape[-1]))
+        teacher = head.verifier_normed(rows.view(n, a, bs - 1, -1)[supervised])
+    terms = head_loss(hidden, head.lm_head_weight, target, w, chunk_rows=chunk_rows, objective=objective,
+                      teacher=teacher, softcap=head.logit_softcap,
+                      top_k=drafter.spec.selector_top_k if selector else 0,
+                      select_teacher=selector and objective.uses_verifier)
+    total, hits = terms.total, terms.hits
+    if selector:
+        predecessors = ids.gather(1, before).view(n, a, bs - 1)[supervised]
+        selector_total, hits = selector_loss(drafter.candidate_selector, hidden, predecessors, terms, target, w,
+                                             chunk_rows)
+        total = total + objective.selector_weight * selector_total
     total_w = w.sum()
-    loss = ce_sum / total_w.clamp_min(1e-6)
+    loss = total / total_w.clamp_min(1e-6)
 
     slot = offsets[1:].expand(n, a, bs - 1)[supervised] - 1
     hits = hits.float()
     correct = torch.zeros(bs - 1, device=dev).index_add_(0, slot, hits.detach())
     count = torch.zeros(bs - 1, device=dev).index_add_(0, slot, torch.ones_like(hits))
     return LossOutput(loss=loss, correct=correct, count=count, weight=total_w.detach())
+
+
+def selector_loss(selector: CandidateSelector, hidden: Tensor, predecessors: Tensor, terms: HeadTerms, labels: Tensor,
+                  weights: Tensor, chunk_rows: int | None) -> tuple[Tensor, Tensor]:
+    """(sum_r w_r x the selector's cross-entropy over row r's K candidates, whether its pick is the label) for a
+    DFlash2 drafter, as speculators trains it: each candidate scores its unary logit plus the transition from the
+    row's true previous token (teacher forcing: `predecessors` [R]), and the selector's target (`terms`:
+    present among the candidates) is the class. Rows go `chunk_rows` at a time, each chunk's [rows, K, rank]
+    products recomputed in backward rather than kept."""
+    candidates, unary = terms.candidates, terms.candidate_logits
+    classes = (candidates == terms.selector_target[:, None]).int().argmax(-1)
+    total = unary.new_zeros(())
+    hits = torch.empty_like(labels, dtype=torch.bool)
+    step = chunk_rows or max(1, hidden.shape[0])
+    for start in range(0, hidden.shape[0], step):
+        r = slice(start, start + step)
+        args = (hidden[r], predecessors[r], candidates[r])
+        if torch.is_grad_enabled():
+            transition = checkpoint(selector.transition, *args, use_reentrant=False)
+        else:
+            transition = selector.transition(*args)
+        scores = unary[r] + transition.float()
+        total = total + (weights[r] * F.cross_entropy(scores, classes[r], reduction="none")).sum()
+        hits[r] = candidates[r].gather(1, scores.argmax(-1, keepdim=True)).squeeze(1) == labels[r]
+    return total, hits.detach()
+
+
+def split_states(states: Tensor, spec: DrafterSpec) -> tuple[Tensor, Tensor | None]:
+    """(the drafter's K layers [.., K*D], the verifier's state [.., D] or None) of stored states: a store made with
+    extract.verifier_states holds one more layer, last (`target_model.stored_layer_ids`)."""
+    width = spec.num_context_layers * spec.hidden_size
+    if states.shape[-1] == width:
+        return states, None
+    if states.shape[-1] != width + spec.hidden_size:
+        raise ValueError(f"stored states are {states.shape[-1]} wide; the drafter reads {spec.num_context_layers} "
+                         f"layers of {spec.hidden_size} (and the verifier's state would make one more)")
+    return states[..., :width], states[..., width:]
 
 
 def expected_acceptance(acc: Sequence[float]) -> float:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from functools import cache
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +28,9 @@ from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex
 
 from dflash_stream.config import ConfigError
 from dflash_stream.drafter.spec import DrafterSpec
+
+if TYPE_CHECKING:
+    from dflash_stream.drafter.head import TargetHead
 
 KV = tuple[Tensor, Tensor]  # keys, values of the context: [N, G, S, Dh] each
 Mask = Tensor | BlockMask | None
@@ -161,6 +165,9 @@ class Layer(nn.Module):
 
 
 class DFlashDrafter(nn.Module):
+    layer_class: type[Layer] = Layer
+    """The draft layer; DFlash2 (drafter/dflash2.py) wraps its sublayers in convolutions."""
+
     def __init__(self, spec: DrafterSpec, attention: str = "auto") -> None:
         super().__init__()
         self.spec = spec
@@ -168,7 +175,7 @@ class DFlashDrafter(nn.Module):
         d = spec.hidden_size
         self.fc = nn.Linear(spec.num_context_layers * d, d, bias=False)
         self.hidden_norm = nn.RMSNorm(d, eps=spec.rms_norm_eps)
-        self.layers = nn.ModuleList(Layer(spec, window) for window in spec.layer_windows)
+        self.layers = nn.ModuleList(self.layer_class(spec, window) for window in spec.layer_windows)
         self.norm = nn.RMSNorm(d, eps=spec.rms_norm_eps)
         self.rotary = Rotary(spec)
         self.apply(self._init_weights)
@@ -211,6 +218,11 @@ class DFlashDrafter(nn.Module):
         for layer, kv in zip(self.layers, context, strict=True):
             x = layer(x, cos, sin, kv, masks[layer.window])
         return self.norm(x)
+
+    def propose(self, head: TargetHead, block: Tensor, positions: Tensor, context: list[KV]) -> Tensor:
+        """Greedy drafts [N, B-1] for the masked slots of `block` [N, B] at `positions`, after `context`: the
+        target's LM head's argmax at each slot."""
+        return head.logits(self(head.embed(block), positions, context)[:, 1:]).argmax(-1)
 
     def uses_flex(self, device: torch.device) -> bool:
         """Whether training masks on `device` go to FlexAttention (compiled on CUDA) rather than SDPA."""

@@ -27,6 +27,7 @@ from safetensors import safe_open
 
 from dflash_stream.config import ConfigError, GenerationConfig, TargetConfig
 from dflash_stream.drafter.export import CONFIG, OWN_EMBEDDING, WEIGHTS, vllm_embedding_note
+from dflash_stream.drafter.spec import spec_from_zlab_config
 from dflash_stream.errors import DFlashError
 from dflash_stream.log import get_logger
 
@@ -134,11 +135,10 @@ def settled_counters(base_url: str, headers: dict[str, str] | None, drafts_at_le
 def drafter_embedding_note(drafter_dir: str | Path) -> str | None:
     """`export.vllm_embedding_note` for an export folder: its config's input_embedding_scale, and whether its
     weights carry their own embedding."""
-    config = json.loads((Path(drafter_dir) / CONFIG).read_text())
-    scale = float((config.get("dflash_config") or {}).get("input_embedding_scale", 1.0))
+    spec = spec_from_zlab_config(json.loads((Path(drafter_dir) / CONFIG).read_text()))
     with safe_open(Path(drafter_dir) / WEIGHTS, "pt") as f:
         own = OWN_EMBEDDING in f.keys()  # noqa: SIM118 (a safetensors file is not a mapping)
-    return vllm_embedding_note(scale, own)
+    return vllm_embedding_note(spec.embed_scale, own, spec.kind)
 
 
 # -- a vLLM server and the questions ------------------------------------------------------------------------------

@@ -25,6 +25,14 @@ CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
 """The two files of a z-lab drafter folder: what `export.export_drafter` writes and `drafter.init_from` reads."""
 
+DFLASH, DFLASH2 = "dflash", "dflash2"
+KINDS = (DFLASH, DFLASH2)
+ARCHITECTURES = {DFLASH: "DFlashDraftModel", DFLASH2: "DFlash2DraftModel"}
+"""config.json's `architectures` of each kind: what vLLM picks its model (qwen3_dflash, qwen3_dflash2) by."""
+DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+"""The spec fields of a dflash2 drafter, kept in config.json's dflash_config under these names (vLLM's); its
+`input_embedding_scale` is `embed_scale`, which every kind records."""
+
 LAYER_TYPES = (FULL, SLIDING)
 """Drafter layer types. Sliding layers follow z-lab's dflash (model.py, `_attention_mask`): a block token at
 absolute position p sees the keys at positions p - sliding_window + 1 .. p, so its window ends at itself and it is
@@ -55,12 +63,31 @@ class DrafterSpec:
     """Keys a sliding layer's query sees, itself included; None without sliding layers."""
     embed_scale: float = 1.0
     """The scale the target applies inside its embedding module (Gemma: √hidden), which the drafter's inputs were
-    trained with: an engine that embeds without it serves the drafter wrongly (`docs/engines.md`)."""
+    trained with: an engine that embeds without it serves the drafter wrongly (`docs/engines.md`); vLLM's DFlash2
+    reads it as `input_embedding_scale`."""
+    kind: str = DFLASH
+    """dflash, or dflash2 (drafter/dflash2.py: the fields below); spec files written before it are dflash."""
+    conv_kernel_size: int = 2
+    conv_group_size: int = 16
+    selector_rank: int = 256
+    selector_top_k: int = 16
 
     def __post_init__(self) -> None:
         if self.layer_types is None:
             self.layer_types = [FULL] * self.num_layers
         check_layout(self.layer_types, self.sliding_window, self.num_layers)
+        if self.kind not in KINDS:
+            raise ConfigError(f"drafter.kind: unknown {self.kind}; allowed: {', '.join(KINDS)}")
+        if self.kind == DFLASH2:
+            if self.hidden_size % self.conv_group_size:
+                raise ConfigError(f"drafter.conv_group_size={self.conv_group_size} must divide the hidden size "
+                                  f"{self.hidden_size}")
+            if self.conv_kernel_size > self.block_size:
+                raise ConfigError(f"drafter.conv_kernel_size={self.conv_kernel_size} exceeds drafter.block_size="
+                                  f"{self.block_size}")
+            if self.selector_top_k > self.vocab_size:
+                raise ConfigError(f"drafter.selector_top_k={self.selector_top_k} exceeds the vocabulary "
+                                  f"({self.vocab_size})")
 
     @property
     def num_context_layers(self) -> int:
@@ -156,9 +183,20 @@ def _rope_scaling(config: dict[str, Any]) -> dict[str, Any] | None:
     return params
 
 
+def _kind(config: dict[str, Any]) -> str:
+    architectures = config.get("architectures") or [ARCHITECTURES[DFLASH]]
+    for kind, name in ARCHITECTURES.items():
+        if name in architectures:
+            return kind
+    raise ConfigError(f"architectures {architectures}: not a drafter dflash-stream builds; allowed: "
+                      f"{', '.join(ARCHITECTURES.values())}")
+
+
 def spec_from_zlab_config(config: dict[str, Any]) -> DrafterSpec:
     dflash = config["dflash_config"]
     layer_types, window = _layout(config)
+    kind = _kind(config)
+    dflash2 = {name: dflash[name] for name in DFLASH2_FIELDS if name in dflash} if kind == DFLASH2 else {}
     return DrafterSpec(
         hidden_size=config["hidden_size"],
         intermediate_size=config["intermediate_size"],
@@ -178,6 +216,8 @@ def spec_from_zlab_config(config: dict[str, Any]) -> DrafterSpec:
         layer_types=layer_types,
         sliding_window=window,
         embed_scale=float(dflash.get("input_embedding_scale", 1.0)),
+        kind=kind,
+        **dflash2,
     )
 
 
@@ -193,7 +233,7 @@ def read_init_from(path: str) -> tuple[Path, DrafterSpec]:
     config_path = folder / CONFIG
     try:
         return config_path, spec_from_zlab_config(json.loads(config_path.read_text()))
-    except (json.JSONDecodeError, KeyError, TypeError) as err:
+    except (json.JSONDecodeError, KeyError, TypeError, ConfigError) as err:
         raise ConfigError(f"drafter.init_from: {config_path} is not a DFlash drafter config: {err!r}") from None
 
 
@@ -231,12 +271,18 @@ def build_spec(cfg: Config, tc: TargetShape, layer_ids: list[int], tokenizer: An
     layer_types = list(_first(d.layer_types, from_init("layer_types")) or [FULL] * d.num_layers)
     window = _first(d.sliding_window, from_init("sliding_window")) if SLIDING in layer_types else None
     vocab = tc.vocab_size
+    # dflash2's keys have defaults (speculators'); a DFlash2 drafter to continue brings its own unless set.
+    dflash2 = {}
+    if d.kind == DFLASH2:
+        defaults = type(d).model_fields
+        dflash2 = {name: getattr(d, name) if init is None or getattr(d, name) != defaults[name].default
+                   else getattr(init, name) for name in DFLASH2_FIELDS}
     if init is not None:
         run = {
             "vocab_size": vocab, "hidden_size": hidden, "block_size": d.block_size,
             "target_layer_ids": list(layer_ids), "num_hidden_layers": d.num_layers, "layer_types": layer_types,
             "sliding_window": window, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
-            "head_dim": head_dim, "intermediate_size": intermediate,
+            "head_dim": head_dim, "intermediate_size": intermediate, "kind": d.kind, **dflash2,
         }
         for key, ours in run.items():
             theirs = getattr(init, "num_layers" if key == "num_hidden_layers" else key)
@@ -273,4 +319,6 @@ def build_spec(cfg: Config, tc: TargetShape, layer_ids: list[int], tokenizer: An
         layer_types=layer_types,
         sliding_window=window,
         embed_scale=tc.embed_scale,
+        kind=d.kind,
+        **dflash2,
     )

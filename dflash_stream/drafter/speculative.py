@@ -99,9 +99,9 @@ def _append(context: list[KV], new: list[KV]) -> list[KV]:
 
 
 def _draft(drafter: DFlashDrafter, head: TargetHead, block: Tensor, positions: Tensor, context: list[KV]) -> Tensor:
-    """The drafter's greedy guesses [B-1] for the block's masked slots (tests replace this with an oracle)."""
-    drafted = drafter(head.embed(block), positions, context)
-    return head.logits(drafted[:, 1:]).argmax(-1)[0]
+    """The drafter's greedy guesses [B-1] for the block's masked slots (tests replace this with an oracle): the
+    head's argmax, or a DFlash2 drafter's walk through its reranked candidates."""
+    return drafter.propose(head, block, positions, context)[0]
 
 
 @torch.inference_mode()

@@ -91,11 +91,12 @@ def build_plan(cfg: Config, samples: int | None = None, mean_tokens: float | Non
     from dflash_stream.observe.host_memory import host_memory
     from dflash_stream.observe.store_cores import store_cores
     from dflash_stream.store import codecs, sizes
-    from dflash_stream.target_model import resolve_layer_ids
+    from dflash_stream.target_model import resolve_layer_ids, stored_layer_ids
 
     launch = read_launch(launch_file, processes)
     shape = target_shape(cfg.target)
     layer_ids = resolve_layer_ids(shape.num_layers, cfg.target)
+    stored = stored_layer_ids(shape.num_layers, cfg.target, cfg.verifier_states)  # + the verifier's last layer
     warnings: list[str] = []
     tune, tune_ignored = read_tune(cfg, shape, layer_ids)
     if tune_ignored:
@@ -109,7 +110,7 @@ def build_plan(cfg: Config, samples: int | None = None, mean_tokens: float | Non
     measured = (tune or {}).get("compression", {}).get(codec)
     ratio, ratio_source = (measured, f"measured by tune on {tune['tokens']:,} tokens") if measured else (
         codecs.get(codec).design_ratio, DESIGN_RATIO_NOTE if codec != "none" else "raw uint16")
-    width = len(layer_ids) * shape.hidden_size
+    width = len(stored) * shape.hidden_size
     per_token = sizes.raw_bytes_per_token(width)
     raw_tok = per_token - sizes.IDS_MASK_BYTES_PER_TOKEN
     stored_tok = per_token / ratio
@@ -206,7 +207,8 @@ def build_plan(cfg: Config, samples: int | None = None, mean_tokens: float | Non
                  for role in ("extractor", "trainer") if not memory[role]["fits"]]
     return {
         "target": {"model": cfg.target.model, "source": shape.source, **shape.summary(), "layer_ids": layer_ids,
-                   "layer_ids_source": "target.layer_ids" if cfg.target.layer_ids else "DFlash rule"},
+                   "layer_ids_source": "target.layer_ids" if cfg.target.layer_ids else "DFlash rule",
+                   "verifier_layer": stored[-1] if cfg.verifier_states else None},
         "launch": launch,
         "data": {"samples": n_samples, "samples_source": samples_source, "mean_tokens": mean,
                  "mean_tokens_source": mean_source, "tokens": tokens},
@@ -259,6 +261,7 @@ def _time_plan(cfg: Config, shape: TargetShape, layer_ids: list[int], work: dict
     with engine openai, whose servers answer while the extractors extract the windows already answered),
     `total_seconds`, and `gpus` {launch, serving, total} (`gpu_count`)."""
     from dflash_stream.store import codecs
+    from dflash_stream.target_model import stored_layer_ids
 
     overlapped = roles["mode"] == "split"
     extractors, trainers = roles["extractors"], roles["trainers"]
@@ -298,7 +301,8 @@ def _time_plan(cfg: Config, shape: TargetShape, layer_ids: list[int], work: dict
         phases["data"]["seconds"] = out["regenerate_seconds"] = regen_s
     phases["extract"]["seconds"] = tokens * cfg.extraction_passes / (work["extract_tok_s"] * computing)
     phases["train"]["seconds"] = tokens * cfg.train.epochs / (work["train_tok_s"] * trainers)
-    raw = tokens * cfg.extraction_passes * shape.hidden_size * len(layer_ids) * 2
+    raw = tokens * cfg.extraction_passes * shape.hidden_size * len(stored_layer_ids(
+        shape.num_layers, cfg.target, cfg.verifier_states)) * 2
     phases["store"]["encode_cpu_seconds"] = raw / phases["store"]["encode_bytes_per_s"]
     extract_s, train_s = phases["extract"]["seconds"], phases["train"]["seconds"]
     # hf: an extractor decodes, then extracts; openai: the servers answer beside the launch, and the extractors
@@ -397,7 +401,9 @@ def render_plan(plan: dict[str, Any]) -> str:
     out = [
         f"target  {t['model']}: {t['num_layers']} layers ({_fmt_layer_types(t['layer_types'])}), hidden "
         f"{t['hidden_size']}, vocab {fmt_count(t['vocab_size'])}, {_fmt_params(t)}  [{t['source']}]",
-        f"        layer ids {t['layer_ids']}  [{t['layer_ids_source']}]",
+        f"        layer ids {t['layer_ids']}  [{t['layer_ids_source']}]"
+        + (f", and the verifier's layer {t['verifier_layer']} (its distribution for train.loss; the forward runs to "
+           "the last layer)" if t.get("verifier_layer") is not None else ""),
         f"data    {fmt_count(d['samples'])} samples  [{d['samples_source']}]",
         f"        {d['mean_tokens']:,.0f} tokens per sample  [{d['mean_tokens_source']}]"
         f"  -> {fmt_count(d['tokens'])} tokens",

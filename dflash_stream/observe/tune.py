@@ -106,14 +106,14 @@ def _compression(samples: list[PreparedSample], states: list[torch.Tensor], laye
 def _train(cfg: Config, model, tokenizer, layer_ids: list[int], samples: list[PreparedSample],
            states: list[torch.Tensor], steps: int, device: torch.device) -> float:
     """Training tokens/s of the real drafter on these samples (after one warm-up step)."""
-    from dflash_stream.drafter import DFlashDrafter, TargetHead, build_spec, dflash_loss
+    from dflash_stream.drafter import Objective, TargetHead, build_drafter, build_spec, dflash_loss
     from dflash_stream.drafter.batches import TokenBatcher, collate
     from dflash_stream.drafter.shapes import ShapePlan, fixed_shapes_on
     from dflash_stream.store.segment import StoredSample
     from dflash_stream.target_model import model_shape
 
     spec = build_spec(cfg, model_shape(model), layer_ids, tokenizer)
-    drafter = DFlashDrafter(spec, attention=cfg.drafter.attention).to(device)
+    drafter = build_drafter(spec, attention=cfg.drafter.attention).to(device)
     head = TargetHead.from_model(model)
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=cfg.train.lr)
     autocast = cfg.train.bf16_autocast(device.type)
@@ -131,7 +131,7 @@ def _train(cfg: Config, model, tokenizer, layer_ids: list[int], samples: list[Pr
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
             out = dflash_loss(drafter, head, batch, num_anchors=cfg.train.num_anchors, gamma=cfg.train.gamma,
                               num_blocks=shape.blocks if shape else None,
-                              chunk_rows=cfg.train.loss_chunk_rows)
+                              chunk_rows=cfg.train.loss_chunk_rows, objective=Objective.from_config(cfg.train))
         out.loss.backward()
         torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.train.grad_clip)
         optimizer.step()
@@ -181,7 +181,13 @@ def _device_name(device: torch.device) -> str:
 def run_tune(cfg: Config, num_samples: int, train_steps: int) -> dict[str, Any]:
     """Measure, recommend, write OUTPUT/tune.json, print the findings; the measurements."""
     from dflash_stream.store import sizes
-    from dflash_stream.target_model import load_target, model_shape, resolve_device, resolve_layer_ids
+    from dflash_stream.target_model import (
+        load_target,
+        model_shape,
+        resolve_device,
+        resolve_layer_ids,
+        stored_layer_ids,
+    )
 
     if num_samples < 1 or train_steps < 1:
         raise ConfigError("tune: --samples and --train-steps must be at least 1")
@@ -189,21 +195,23 @@ def run_tune(cfg: Config, num_samples: int, train_steps: int) -> dict[str, Any]:
     model, tokenizer = load_target(cfg.target, device)
     tc = model_shape(model)
     layer_ids = resolve_layer_ids(tc.num_layers, cfg.target)
+    stored = stored_layer_ids(tc.num_layers, cfg.target, cfg.verifier_states)  # what the run's extractors capture
     samples = _samples(cfg, tokenizer, model, num_samples)
-    states, extract_tok_s = _extract(model, layer_ids, samples, cfg.extract.batch_tokens, tokenizer.pad_token_id, device)
-    compression = _compression(samples, states, layer_ids, tc.hidden_size)
+    states, extract_tok_s = _extract(model, stored, samples, cfg.extract.batch_tokens, tokenizer.pad_token_id, device)
+    compression = _compression(samples, states, stored, tc.hidden_size)
     train_tok_s = _train(cfg, model, tokenizer, layer_ids, samples, states, train_steps, device)
 
     tokens = sum(s.num_tokens for s in samples)
-    raw_tok = sizes.raw_bytes_per_token(len(layer_ids) * tc.hidden_size)
+    raw_tok = sizes.raw_bytes_per_token(len(stored) * tc.hidden_size)
     stored_tok = raw_tok / compression[cfg.store.codec]["ratio"]
     disk = disk_space(cfg, 0)
     # A segment must hold the longest sample; the configured segment_bytes is what is being tuned.
-    longest = sizes.raw_bytes(cfg.data.max_length, 1, len(layer_ids) * tc.hidden_size)
+    longest = sizes.raw_bytes(cfg.data.max_length, 1, len(stored) * tc.hidden_size)
     advice = recommend(disk["free_bytes"], stored_tok, raw_tok, train_tok_s, extract_tok_s, longest)
     result = {
         "time": time.time(), "target": cfg.target.model, "device": _device_name(device),
-        "layer_ids": layer_ids, "hidden_size": tc.hidden_size, "samples": len(samples), "tokens": tokens,
+        "layer_ids": layer_ids, "verifier_states": cfg.verifier_states, "hidden_size": tc.hidden_size,
+        "samples": len(samples), "tokens": tokens,
         "mean_tokens": tokens / len(samples),
         "compression": {c: m["ratio"] for c, m in compression.items()},
         "write_bytes_per_s": {c: m["write_bytes_per_s"] for c, m in compression.items()},

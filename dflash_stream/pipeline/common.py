@@ -33,16 +33,20 @@ def data_spec_detail(cfg: Config) -> dict[str, Any]:
 
 
 def store_layout(cfg: Config) -> tuple[list[int], int]:
-    """(layer ids, hidden size) of the states this run stores, from the target's config alone."""
-    from dflash_stream.target_model import resolve_layer_ids, target_shape
+    """(layer ids, hidden size) of the states this run stores, from the target's config alone: the drafter's
+    layers, then the verifier's last layer when the run stores it (`target_model.stored_layer_ids`)."""
+    from dflash_stream.target_model import stored_layer_ids, target_shape
 
     shape = target_shape(cfg.target, download=True, hints=False, count=False)
-    return resolve_layer_ids(shape.num_layers, cfg.target), shape.hidden_size
+    return stored_layer_ids(shape.num_layers, cfg.target, cfg.verifier_states), shape.hidden_size
 
 
 def store_fingerprint(cfg: Config, layer_ids: list[int], hidden_size: int) -> dict[str, Any]:
-    """What produced a store; reopening it with any field different is refused."""
+    """What produced a store; reopening it with any field different is refused. `layer_ids` are the stored ones
+    (`store_layout`); with the verifier's state the last of them is it, which `verifier_layer` records (absent
+    without: stores made before it reopen unchanged)."""
     target = f"{cfg.target.model}{'/' + cfg.target.gguf_file if cfg.target.gguf_file else ''}"
+    verifier = {"verifier_layer": layer_ids[-1]} if cfg.verifier_states else {}
     return {
         "target": target,
         "layer_ids": list(layer_ids),
@@ -56,6 +60,7 @@ def store_fingerprint(cfg: Config, layer_ids: list[int], hidden_size: int) -> di
         # States computed by vLLM servers differ from the extractor's own in the last bf16 bit: one store holds
         # one engine's (absent for engine hf, as in the stores made before vLLM extraction existed).
         **({"extract_engine": "vllm"} if cfg.extract.engine == "vllm" else {}),
+        **verifier,
     }
 
 

@@ -40,8 +40,8 @@ from dflash_stream.target_model import (
     TargetShape,
     load_target,
     model_shape,
-    resolve_layer_ids,
     stop_token_ids,
+    stored_layer_ids,
 )
 from dflash_stream.target_model.capture import LayerCapture
 from dflash_stream.target_model.generate import generate_responses
@@ -138,7 +138,8 @@ class Extractor:
                  target: tuple[Any, Any] | None = None) -> None:
         self.cfg, self.role, self.store, self.metrics, self.device = cfg, role, store, metrics, device
         self.tokenizer, shape, stop_ids = self._open_target(target)
-        self.layer_ids = resolve_layer_ids(shape.num_layers, cfg.target)
+        # The drafter's layers, and the verifier's last layer when the run stores it.
+        self.layer_ids = stored_layer_ids(shape.num_layers, cfg.target, cfg.verifier_states)
         self.health = StateHealth(self.layer_ids, shape.hidden_size, cfg.extract.engine)
         # A CPU run's extractors take the trainers' cores while the store holds nothing for them to train.
         self._cores = HostCores(device, peers=role.count)
@@ -182,7 +183,7 @@ class Extractor:
         """(tokenizer, shape, stop ids) of the target, here loaded to run in this process with capture hooks."""
         self.model, tokenizer = target if target is not None else load_target(self.cfg.target, self.device)
         shape = model_shape(self.model)
-        self.capture = LayerCapture(self.model, resolve_layer_ids(shape.num_layers, self.cfg.target))
+        self.capture = LayerCapture(self.model, stored_layer_ids(shape.num_layers, self.cfg.target, self.cfg.verifier_states))
         self._host = HostCopier(self.device)
         return tokenizer, shape, stop_token_ids(self.model, tokenizer)
 

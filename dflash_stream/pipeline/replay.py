@@ -31,7 +31,7 @@ from dflash_stream.store.store import FIELD_WORDS
 
 log = get_logger(__name__)
 
-SAME_FIELDS = ("target", "layer_ids", "hidden_size", "max_length", "tokenizer", "data_spec")
+SAME_FIELDS = ("target", "layer_ids", "verifier_layer", "hidden_size", "max_length", "tokenizer", "data_spec")
 """What the kept store and this run must share (the codec may differ: the states are coded anew)."""
 
 
@@ -42,9 +42,9 @@ def open_kept_store(cfg: Config, store: Store) -> tuple[Store, list[SegmentInfo]
     kept = Store.attach(path)
     ours = store_fingerprint(cfg, store.layer_ids, store.hidden_size)
     for key in SAME_FIELDS:
-        if kept.fingerprint.get(key) != ours[key]:
+        if kept.fingerprint.get(key) != ours.get(key):
             raise DFlashError(f"extract.from_store: store {path} was made by another config: {FIELD_WORDS.get(key, key)} "
-                              f"differ (stored {kept.fingerprint.get(key)!r}, this run {ours[key]!r})")
+                              f"differ (stored {kept.fingerprint.get(key)!r}, this run {ours.get(key)!r})")
     if not kept.end_of_data:
         raise DFlashError(f"extract.from_store: the extraction into {path} has not finished; let it finish (or "
                           "resume it) before replaying it")

@@ -82,7 +82,7 @@ class Trainer:
     """Trains the drafter on the store's segments; `run()` may be called repeatedly (single-process mode)."""
 
     def __init__(self, cfg: Config, role: RoleInfo, store: Store, metrics: MetricsWriter, device: torch.device) -> None:
-        from dflash_stream.drafter import DFlashDrafter, DrafterSpec, build_spec, load_target_head
+        from dflash_stream.drafter import DrafterSpec, Objective, build_drafter, build_spec, load_target_head
         from dflash_stream.drafter.export import SPEC, load_init_weights
         from dflash_stream.store import SegmentReader
         from dflash_stream.target_model import resolve_layer_ids, target_shape
@@ -104,12 +104,14 @@ class Trainer:
         else:
             shape = target_shape(cfg.target, download=True, hints=False, count=False)
             self.spec = build_spec(cfg, shape, resolve_layer_ids(shape.num_layers, cfg.target))
-        self.drafter = DFlashDrafter(self.spec, attention=cfg.drafter.attention).to(device)
+        self.drafter = build_drafter(self.spec, attention=cfg.drafter.attention).to(device)
         if resume is None and init_from:
             load_init_weights(self.drafter, init_from)
             log.info("drafter weights from %s (drafter.init_from)", init_from)
         self.bf16 = cfg.train.bf16_autocast(device.type)
-        self.head = load_target_head(cfg.target, device, torch.bfloat16 if self.bf16 else torch.float32)
+        self.objective = Objective.from_config(tc)
+        self.head = load_target_head(cfg.target, device, torch.bfloat16 if self.bf16 else torch.float32,
+                                     verifier=self.objective.uses_verifier)
         decay = [p for p in self.drafter.parameters() if p.ndim >= 2]
         no_decay = [p for p in self.drafter.parameters() if p.ndim < 2]
         self.optimizer = torch.optim.AdamW(
@@ -393,7 +395,7 @@ class Trainer:
                     self.drafter, self.head, batch,
                     num_anchors=self.cfg.train.num_anchors, gamma=self.cfg.train.gamma,
                     generator=self.rng.generator, num_blocks=shape.blocks if shape else None,
-                    chunk_rows=self.cfg.train.loss_chunk_rows,
+                    chunk_rows=self.cfg.train.loss_chunk_rows, objective=self.objective,
                 )
             self.compile_watch.observe(tuple(batch["input_ids"].shape))
             # Backpropagate the weighted sum; the step divides by the global weight (see module docstring).

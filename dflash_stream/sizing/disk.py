@@ -29,6 +29,7 @@ from dflash_stream.config import Config
 from dflash_stream.errors import DFlashError
 from dflash_stream.sizing.inputs import plan_mean_tokens, plan_samples
 from dflash_stream.sizing.memory import drafter_dims, target_dims
+from dflash_stream.target_model.layers import stored_layer_ids
 from dflash_stream.target_model.shape import MLP_PER_HIDDEN, TargetShape
 from dflash_stream.units import fmt_bytes
 
@@ -200,7 +201,8 @@ def footprint_for(cfg: Config, target: TargetShape, num_capture_layers: int, sam
     from dflash_stream.store import codecs, sizes
 
     ratio = ratio or codecs.get(cfg.store.codec).design_ratio
-    per_sample = sizes.raw_bytes_per_token(num_capture_layers * target.hidden_size) * mean_tokens
+    stored = len(stored_layer_ids(target.num_layers, cfg.target, cfg.verifier_states))  # the verifier's too
+    per_sample = sizes.raw_bytes_per_token(stored * target.hidden_size) * mean_tokens
     tokens = samples * mean_tokens if samples else None
     steps = cfg.train.total_steps or (math.ceil(tokens * cfg.train.epochs / (
         cfg.train.batch_tokens * cfg.train.grad_accum * trainer_count(cfg))) if tokens else None)

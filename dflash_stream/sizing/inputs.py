@@ -45,8 +45,9 @@ def read_tune(cfg: Config, shape: TargetShape, layer_ids: list[int]) -> tuple[di
     if not path.is_file():
         return None, None
     tune = json.loads(path.read_text())
-    if tune.get("layer_ids") != layer_ids or tune.get("hidden_size") != shape.hidden_size:
-        return None, f"{path} was measured on another target/layer set; ignored"
+    if (tune.get("layer_ids") != layer_ids or tune.get("hidden_size") != shape.hidden_size
+            or tune.get("verifier_states", False) != cfg.verifier_states):
+        return None, f"{path} was measured on another target/layer set (or extract.verifier_states); ignored"
     return tune, None
 
 

@@ -29,6 +29,7 @@ from pydantic import ByteSize, TypeAdapter, ValidationError
 
 from dflash_stream.config import Config, ConfigError
 from dflash_stream.errors import DFlashError
+from dflash_stream.target_model.layers import stored_layer_ids
 from dflash_stream.target_model.shape import KV_LAYER_TYPES, SLIDING, default_intermediate_size
 from dflash_stream.units import fmt_bytes
 
@@ -60,6 +61,12 @@ SAVED_PER_LAYER = {
 # Once per micro-batch: the last layer's output and the supervised rows gathered from it (float32 in both
 # modes), RoPE cos/sin (float32, per position), and per context token the fc input and the fused features.
 SAVED_CONTEXT = {"fp32": {"fc_input": 4, "features": 12}, "bf16": {"fc_input": 2, "features": 10}}
+# What a DFlash2 layer keeps beside a DFlash one, per block token and hidden unit, counted the same way at
+# conv_kernel_size 2 (taps scale it): its four grouped convolutions' inputs and kernel deltas (their per-token
+# coefficients are recomputed in backward), and the products around them.
+SAVED_CONV_PER_LAYER = {"fp32": 18, "bf16": 17}
+SELECTOR_BYTES_PER_CANDIDATE = 16
+"""Per supervised row and candidate of a DFlash2 drafter: its id (int64), its logit and its score (float32)."""
 
 
 def parse_size(text: str) -> int:
@@ -191,19 +198,37 @@ class DrafterDims:
     context_layers: int
     vocab_size: int
     block_size: int
+    kind: str = "dflash"
+    conv_kernel_size: int = 2
+    conv_group_size: int = 16
+    selector_rank: int = 256
+    selector_top_k: int = 16
+
+    @property
+    def dflash2(self) -> bool:
+        return self.kind == "dflash2"
 
     @property
     def linear_parameters(self) -> int:
-        """Weights of the drafter's Linear layers (what bf16 autocast keeps a bf16 copy of)."""
+        """Weights of the drafter's Linear layers (what bf16 autocast keeps a bf16 copy of); DFlash2 adds its
+        convolutions' kernel projections and the selector's hidden projection."""
         d, q, kv = self.hidden_size, self.num_attention_heads * self.head_dim, self.num_key_value_heads * self.head_dim
         per_layer = 2 * d * q + 2 * d * kv + 3 * d * self.intermediate_size
-        return self.num_layers * per_layer + self.context_layers * d * d
+        if self.dflash2:
+            per_layer += 2 * d * 2 * self.conv_kernel_size * (d // self.conv_group_size)
+        selector = d * self.selector_rank if self.dflash2 else 0
+        return self.num_layers * per_layer + self.context_layers * d * d + selector
 
     @property
     def num_parameters(self) -> int:
-        """Every parameter of `DFlashDrafter` (linears, the layers' four RMSNorms, hidden_norm and norm)."""
+        """Every parameter of `DFlashDrafter` (linears, the layers' four RMSNorms, hidden_norm and norm), and of
+        `DFlash2Drafter` (its convolutions' base kernels, the selector's two codebooks over the vocabulary)."""
         norms = self.num_layers * (2 * self.hidden_size + 2 * self.head_dim) + 2 * self.hidden_size
-        return self.linear_parameters + norms
+        extra = 0
+        if self.dflash2:
+            extra = self.num_layers * 2 * 2 * self.conv_kernel_size * self.hidden_size
+            extra += 2 * self.vocab_size * self.selector_rank
+        return self.linear_parameters + norms + extra
 
 
 def drafter_dims(cfg: Config, target: TargetDims, context_layers: int) -> DrafterDims:
@@ -220,6 +245,11 @@ def drafter_dims(cfg: Config, target: TargetDims, context_layers: int) -> Drafte
         context_layers=context_layers,
         vocab_size=target.vocab_size,
         block_size=d.block_size,
+        kind=d.kind,
+        conv_kernel_size=d.conv_kernel_size,
+        conv_group_size=d.conv_group_size,
+        selector_rank=d.selector_rank,
+        selector_top_k=d.selector_top_k,
     )
 
 
@@ -277,8 +307,10 @@ class Estimate:
 
 
 def trainer_memory(d: DrafterDims, batch: TrainBatch, *, bf16: bool, flex: bool, chunk_rows: int | None,
-                   tied_head: bool, foreach: bool) -> Estimate:
-    """Peak bytes of one trainer step at `batch` (forward, backward, the trainer's optimizer step)."""
+                   tied_head: bool, foreach: bool, verifier: bool = False, kl: bool = False) -> Estimate:
+    """Peak bytes of one trainer step at `batch` (forward, backward, the trainer's optimizer step). `verifier`: the
+    batch holds the verifier's state beside the K layers; `kl`: the loss makes the target's distribution from it
+    (train.loss kl or ce+kl)."""
     mode = "bf16" if bf16 else "fp32"
     act = 2 if bf16 else 4
     p = d.num_parameters
@@ -293,6 +325,8 @@ def trainer_memory(d: DrafterDims, batch: TrainBatch, *, bf16: bool, flex: bool,
     dense_mask = 0 if flex else n * batch.anchors * batch.block_size * (s + batch.anchors * batch.block_size)
     # SDPA turns the boolean mask into an additive one of the activations' dtype in every layer and keeps it.
     per_layer += dense_mask * act
+    if d.dflash2:
+        per_layer += t * SAVED_CONV_PER_LAYER[mode] * dim * d.conv_kernel_size // 2
     cc = SAVED_CONTEXT[mode]
     shared = (4 * t * dim + 4 * batch.rows * dim + 8 * d.head_dim * (t + ctx)
               + ctx * (cc["fc_input"] * d.context_layers * dim + cc["features"] * dim))
@@ -302,13 +336,25 @@ def trainer_memory(d: DrafterDims, batch: TrainBatch, *, bf16: bool, flex: bool,
     loss = chunk * d.vocab_size * (4 + (head_bytes if head_bytes != 4 else 0)) + 4 * batch.rows * dim
     if chunk_rows is None:  # plain autograd keeps the logits, their float32 copy and log-softmax for backward
         loss += batch.rows * d.vocab_size * 4
+    if kl:
+        # The teacher's float32 log-probabilities beside the logits (forward; in backward beside the gradient) and
+        # their head-dtype original; per row the verifier's state gathered and its normed copy (kept for backward).
+        loss += chunk * d.vocab_size * (4 + head_bytes) + batch.rows * dim * (2 + head_bytes)
+        if chunk_rows is None:  # and plain autograd keeps the teacher's distribution and the KL's terms
+            loss += batch.rows * d.vocab_size * 8
+    if d.dflash2:
+        # The candidates of every row, and a chunk's gathered successor codes with their product and gradient.
+        step = batch.rows if chunk_rows is None else min(chunk_rows, batch.rows)
+        loss += (batch.rows * d.selector_top_k * SELECTOR_BYTES_PER_CANDIDATE
+                 + 3 * step * d.selector_top_k * d.selector_rank * 4)
     parts = {
         "drafter_parameters": 4 * p,
         "gradients": 4 * p,
         "optimizer_states": 8 * p,  # AdamW exp_avg and exp_avg_sq, float32
         "target_embedding_lm_head": d.vocab_size * dim * head_bytes * (1 if tied_head else 2),
         "autocast_weight_copies": 2 * d.linear_parameters if bf16 else 0,
-        "batch": ctx * (d.context_layers * dim * 2 + 17) + dense_mask,  # bf16 states, int64 ids, mask, lengths
+        # bf16 states (the verifier's too), int64 ids, mask, lengths
+        "batch": ctx * ((d.context_layers + verifier) * dim * 2 + 17) + dense_mask,
         "activations": d.num_layers * per_layer + shared,
         "loss_working_set": loss,
         # The trainer's step: all gradients flattened for the all-reduce, then rescaled copies (old ones alive
@@ -419,7 +465,8 @@ def _resident(role: str, est: Estimate) -> int:
 
 def role_estimates(cfg: Config, dims: TargetDims, layer_ids: list[int], kind: str, single: bool = False
                    ) -> dict[str, tuple[Estimate, Any]]:
-    """{role: (estimate, worst batch shape)} for this config on a device of `kind` (gpu or cpu). `single`: one
+    """{role: (estimate, worst batch shape)} for this config on a device of `kind` (gpu or cpu); `layer_ids` the
+    drafter's (the verifier's state, when stored, is counted from the config). `single`: one
     process holds both roles and alternates them, so each role's peak sits beside the other's resident part."""
     dtype_bytes = target_dtype_bytes(cfg, kind)
     forward = worst_forward(cfg.extract.batch_tokens, cfg.data.max_length)
@@ -427,16 +474,18 @@ def role_estimates(cfg: Config, dims: TargetDims, layer_ids: list[int], kind: st
     # decode, and an extractor holds the capture forward alone.
     generates = cfg.data.regenerate and cfg.data.generation.engine == "hf"
     gen = (cfg.data.generation.batch_size, cfg.data.max_length) if generates else None
+    stored = stored_layer_ids(dims.num_layers, cfg.target, cfg.verifier_states)
     if cfg.extract.engine == "vllm":  # the servers hold the target: the extractor puts nothing on a device
         extractor = Estimate({}, {"client": 0}, ["extract.engine vllm: the states are computed by the vLLM servers"])
     else:
-        extractor = extractor_memory(dims, forward, captured_layers=len(layer_ids), dtype_bytes=dtype_bytes,
+        extractor = extractor_memory(dims, forward, captured_layers=len(stored), dtype_bytes=dtype_bytes,
                                      generation=gen)
     drafter = drafter_dims(cfg, dims, len(layer_ids))
     batch = worst_train_batch(cfg)
     flex = cfg.drafter.attention == "flex" or (cfg.drafter.attention == "auto" and kind == "gpu")
     trainer = trainer_memory(drafter, batch, bf16=_uses_bf16(cfg, kind), flex=flex,
-                             chunk_rows=cfg.train.loss_chunk_rows, tied_head=dims.tied, foreach=kind == "gpu")
+                             chunk_rows=cfg.train.loss_chunk_rows, tied_head=dims.tied, foreach=kind == "gpu",
+                             verifier=cfg.verifier_states, kl=cfg.train.loss != "ce")
     if single:
         beside = {"extractor": _resident("trainer", trainer), "trainer": _resident("extractor", extractor)}
         for role, est in (("extractor", extractor), ("trainer", trainer)):

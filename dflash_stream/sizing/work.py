@@ -21,6 +21,7 @@ from dflash_stream.sizing.memory import (
     target_dims,
     target_dtype_bytes,
 )
+from dflash_stream.target_model.layers import stored_layer_ids
 from dflash_stream.target_model.shape import TargetShape, target_shape
 from dflash_stream.units import fmt_bytes, fmt_duration
 
@@ -46,13 +47,16 @@ def estimated_rates(cfg: Config, shape: TargetShape, layer_ids: list[int], mean_
     kind = device_kind(cfg)
     flops = ASSUMED_FLOPS[kind]
     dims = target_dims(shape)
-    # Early stop: the forward runs only up to the deepest captured layer, through each layer's active
-    # parameters (MoE: the routed experts top-k of n).
-    extract_per_token = 2 * dims.active_layer_parameters * (max(layer_ids) + 1)
+    # Early stop: the forward runs only up to the deepest captured layer (the last one with the verifier's
+    # state), through each layer's active parameters (MoE: the routed experts top-k of n).
+    deepest = max(stored_layer_ids(shape.num_layers, cfg.target, cfg.verifier_states))
+    extract_per_token = 2 * dims.active_layer_parameters * (deepest + 1)
     drafter = drafter_dims(cfg, dims, len(layer_ids))
     d, vocab = drafter.hidden_size, dims.vocab_size
-    # Per block token: drafter layers forward+backward (6·P) and the frozen LM head (forward + input grad, 4·V·D).
-    per_block_token = 6 * (drafter.linear_parameters - drafter.context_layers * d * d) + 4 * vocab * d
+    # Per block token: drafter layers forward+backward (6·P) and the frozen LM head (forward + input grad, 4·V·D);
+    # a KL loss runs the head on the verifier's state too, in forward and again in backward (4·V·D).
+    teacher = 4 * vocab * d if cfg.train.loss != "ce" else 0
+    per_block_token = 6 * (drafter.linear_parameters - drafter.context_layers * d * d) + 4 * vocab * d + teacher
     blocks = min(cfg.train.num_anchors, mean_tokens)
     per_sample = blocks * cfg.drafter.block_size * per_block_token + 6 * len(layer_ids) * shape.hidden_size * d * mean_tokens
     note = f"estimated: FLOP count at an assumed {flops / 1e12:g} TFLOP/s effective per {kind.upper()} process"

@@ -883,7 +883,8 @@ def _create_or_read_manifest(path: Path, requested: dict[str, Any], create: bool
 
 FIELD_WORDS = {
     "format": "store formats", "codec": "codecs (store.codec)", "reuse": "uses per segment (store.reuse)",
-    "target": "target models (target.model)", "layer_ids": "captured target layers (target.layer_ids)",
+    "target": "target models (target.model)", "layer_ids": "captured target layers (target.layer_ids, extract.verifier_states)",
+    "verifier_layer": "verifier states (extract.verifier_states)",
     "hidden_size": "hidden sizes of the target", "max_length": "maximum lengths (data.max_length)",
     "tokenizer": "tokenizers (target.model, target.revision)", "data_spec": "data specs",
     "sources": "data sources (data.sources)", "system_prompt": "system prompts (data.system_prompt)",

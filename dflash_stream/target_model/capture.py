@@ -3,7 +3,9 @@
 Only the selected layers are kept (never `output_hidden_states=True` over all of them), and the layers after the
 deepest one, the final norm and the LM head never run. Layer id i is the output of decoder layer i, which is
 `hidden_states[i + 1]` of transformers' `output_hidden_states` tuple, except for the last layer: transformers
-puts the final-normed state there, while this captures the layer's own (pre-norm) output.
+puts the final-normed state there, while this captures the layer's own (pre-norm) output, as vLLM's aux layers
+do. That is the verifier's state (`target_model.layers.stored_layer_ids`): with it the forward runs through the
+last layer and still stops before the final norm and the LM head.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ def decoder_layers(model) -> torch.nn.ModuleList:
 
 
 class LayerCapture:
-    """`capture(input_ids, attention_mask)` -> bf16 [B, T, K*D], the K selected layers side by side in id order.
+    """`capture(input_ids, attention_mask)` -> bf16 [B, T, K*D], the K listed layers side by side in the list's
+    order (a layer listed twice appears twice).
 
     The hooks stay registered but act only inside a capture call, so `generate` on the same model is unaffected.
     """
@@ -39,7 +42,7 @@ class LayerCapture:
         self._deepest = max(layer_ids)
         self._captured: dict[int, torch.Tensor] = {}
         self._active = False
-        self._handles = [layers[i].register_forward_hook(partial(self._hook, i)) for i in self.layer_ids]
+        self._handles = [layers[i].register_forward_hook(partial(self._hook, i)) for i in dict.fromkeys(layer_ids)]
 
     def _hook(self, layer_id: int, module, args, output) -> None:
         if not self._active:

@@ -1,4 +1,5 @@
-"""Which target layers the drafter reads (the DFlash rule)."""
+"""Which target layers the drafter reads (the DFlash rule), and which ones the store holds (those, and the
+verifier's last layer when the run learns from the target's distribution)."""
 
 from __future__ import annotations
 
@@ -24,3 +25,17 @@ def resolve_layer_ids(num_layers: int, target: TargetConfig) -> list[int]:
     if len(set(ids)) != len(ids) or ids != sorted(ids):
         raise ConfigError(f"target.layer_ids must be strictly increasing, got {ids}")
     return ids
+
+
+def verifier_layer_id(num_layers: int) -> int:
+    """The verifier's state: the output of the last decoder layer, before the final norm (vLLM's aux layer id
+    num_layers; applying the target's final norm and LM head to it gives the target's logits)."""
+    return num_layers - 1
+
+
+def stored_layer_ids(num_layers: int, target: TargetConfig, verifier: bool) -> list[int]:
+    """The layers an extraction engine captures and the store holds, side by side per token in this order: the
+    drafter's (`resolve_layer_ids`), then, with `verifier`, the last decoder layer (`verifier_layer_id`), even if
+    the drafter reads it too. An engine captures these ids and nothing else."""
+    ids = resolve_layer_ids(num_layers, target)
+    return [*ids, verifier_layer_id(num_layers)] if verifier else ids
