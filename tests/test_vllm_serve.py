@@ -63,6 +63,16 @@ def test_serve_command_prints_the_flags_with_our_layer_ids_plus_one(tiny_target_
     assert lines[2].startswith(f"PYTHONPATH={plugin_dir()} vllm serve ") and "'{\"method\":" in lines[2]
 
 
+def test_serve_command_asks_for_the_verifier_layer_when_the_run_stores_it(tiny_target_dir, tmp_path):
+    """train.loss kl stores the last layer beside the drafter's: vLLM's aux id of it is the number of layers (its
+    output before the final norm), after the drafter's ids, in the order the store holds them."""
+    t = tree(tmp_path, tiny_target_dir)
+    t["train"] = {"loss": "kl"}
+    flags = serve_commands(config_from_dict(t))[0]["argv"]
+    speculative = json.loads(flags[flags.index("--speculative-config") + 1])
+    assert speculative["draft_model_config"]["hf_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 3, 4, 6]
+
+
 def test_serve_command_adds_plain_regeneration_servers_and_refuses_what_it_cannot_serve(tiny_target_dir, tmp_path,
                                                                                       capsys):
     t = tree(tmp_path, tiny_target_dir)

@@ -22,7 +22,7 @@ import torch
 from dflash_stream.data import PreparedSample
 from dflash_stream.errors import DFlashError
 from dflash_stream.pipeline.extractor import Extractor, _Captured, _EndOfPass
-from dflash_stream.target_model import TargetShape, resolve_layer_ids, target_shape
+from dflash_stream.target_model import TargetShape, stored_layer_ids, target_shape
 from dflash_stream.target_model.loading import load_tokenizer, target_stop_ids
 from dflash_stream.target_model.served_states import Failed, Served, StateClient, share_bytes
 from dflash_stream.target_model.vllm_serve import spool_dir
@@ -43,7 +43,7 @@ class ServedExtractor(Extractor):
         self.model = None  # the servers hold the target
         tokenizer = load_tokenizer(cfg.target)
         shape = target_shape(cfg.target, download=True, hints=False, count=False)
-        self.client = StateClient(cfg.extract, spool_dir(cfg), resolve_layer_ids(shape.num_layers, cfg.target),
+        self.client = StateClient(cfg.extract, spool_dir(cfg), stored_layer_ids(shape.num_layers, cfg.target, cfg.verifier_states),
                                   shape.hidden_size, spool_writer(cfg.output_dir, self.role.index),
                                   share_bytes(cfg.extract, self.role.count), cfg.data.max_length)
         self.client.start()

@@ -104,11 +104,14 @@ def _listen(url: str) -> tuple[str, list[str]]:
 
 
 def run_layer_ids(cfg: Config) -> list[int]:
-    """The run's layer ids from the target's config alone (or plan's target.* hints): no weights."""
-    from dflash_stream.target_model.layers import resolve_layer_ids
+    """The layers the run stores (the drafter's, then the verifier's last one when it is stored), from the
+    target's config alone (or plan's target.* hints): no weights. vLLM's aux id of the last layer is the number
+    of layers: its output before the final norm, as the hf engine captures it."""
+    from dflash_stream.target_model.layers import stored_layer_ids
     from dflash_stream.target_model.shape import target_shape
 
-    return resolve_layer_ids(target_shape(cfg.target, download=True, count=False).num_layers, cfg.target)
+    num_layers = target_shape(cfg.target, download=True, count=False).num_layers
+    return stored_layer_ids(num_layers, cfg.target, cfg.verifier_states)
 
 
 def serve_commands(cfg: Config, model: str | None = None) -> list[dict[str, Any]]:
