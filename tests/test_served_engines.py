@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from pathlib import Path
 
 import pytest
@@ -344,7 +343,6 @@ def served_drafter(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(bool(os.environ.get("CI")), reason="starts a vLLM server (minutes on a CPU); not in CI")
 @pytest.mark.skipif(not VLLM_PYTHON.exists(), reason=f"no {VLLM_VENV}: make it with `make vllm-env`")
 def test_vllm_serving_the_drafter_accepts_as_our_loop_does(served_drafter, capsys):
     """`eval --endpoint` on a server serving the exported drafter: vLLM's τ within 2 % of ours for a drafter
