@@ -257,8 +257,8 @@ class Extractor:
             except StoreFull:  # single-process mode: the trainer frees room, then the next round writes it
                 return written
             written += 1
-            log.info("extracted the %d sample(s) of redo part %s again: segment %s (from use %d)",
-                     len(stored), tag, info.segment_id, part["first_use"])
+            log.info("extracted the %d sample(s) of %s part %s again: segment %s (from use %d)",
+                     len(stored), part["why"], tag, info.segment_id, part["first_use"])
         return written
 
     def serve_redo(self, training_over) -> None:
