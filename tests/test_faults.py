@@ -125,7 +125,7 @@ def test_a_damaged_segment_is_quarantined_and_its_samples_come_back_once_per_epo
         assert "quarantined damaged segment w.000001" in caplog.text and "[3, 4, 5]" in caplog.text
         # Its samples are data still to come: the consumer must not see the end of data yet.
         assert not store.end_of_data and store.redo_requests("w") == [
-            ("w.000001.0", {"pass_index": 0, "first_use": 0, "sample_ids": [3, 4, 5]})]
+            ("w.000001.0", {"pass_index": 0, "first_use": 0, "sample_ids": [3, 4, 5], "why": "quarantined"})]
         assert (store.path / "quarantine" / "w.000001").is_dir(), "kept for inspection"
         assert store.status()["used_bytes"] >= du(store.path), "the quarantine counts in the budget"
         # The writer extracts them again.
@@ -150,8 +150,9 @@ def test_a_half_trained_damaged_segment_comes_back_as_its_untrained_rest(tmp_pat
     # Samples 1 and 2 of use 0 were trained and recorded by a checkpoint before the damage was found.
     consumer.quarantine(claim, "damaged", trained=[1, 2])
     assert [part for _, part in store.redo_requests("w")] == [
-        {"pass_index": 0, "first_use": 0, "sample_ids": [3, 4]},  # the rest of this use, then the later uses
-        {"pass_index": 0, "first_use": 1, "sample_ids": [1, 2]},  # the trained ones, for the later uses only
+        # the rest of this use, then the later uses; the trained ones, for the later uses only
+        {"pass_index": 0, "first_use": 0, "sample_ids": [3, 4], "why": "quarantined"},
+        {"pass_index": 0, "first_use": 1, "sample_ids": [1, 2], "why": "quarantined"},
     ]
     # Idempotent: a crash and a second quarantine of the same segment change nothing.
     consumer.quarantine(claim, "damaged again", trained=[])

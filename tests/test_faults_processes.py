@@ -212,7 +212,7 @@ def test_a_summary_part_of_an_earlier_launch_does_not_end_re_extraction(tiny_tar
     report = audit_run(tmp_path / "out")
     assert report["ok"] and [p["missing"] + p["duplicated"] for p in report["passes"]] == [0], report
     assert [q["segment_id"] for q in report["quarantined"]] == ["extractor-0.000001"]
-    assert "extracted the" in text and "of redo part extractor-0.000001" in text
+    assert "extracted the" in text and "of quarantined part extractor-0.000001" in text
 
 
 def test_max_steps_ends_the_launch_while_the_extractor_waits_for_room(tiny_target_dir, tmp_path):

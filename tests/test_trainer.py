@@ -274,8 +274,15 @@ def test_a_crash_after_a_release_on_use_extracts_exactly_the_released_samples_ag
     assert {w["why"] for w in waiting} == {"rolled back"}
     assert {(w["segment_id"], w["first_use"]) for w in waiting} == {(p["segment_id"], p["first_use"])
                                                                      for p in resumed.position.rolled_back}
-    # The journal is empty again: a second crash before the next checkpoint asks nothing twice.
-    assert not (output / "ledger" / "released-trainer-0.jsonl").read_text()
+    # A second crash before the next checkpoint: the next resume, from the same checkpoint, knows the same uses
+    # as lost (else it would read their half-trained records from segments already gone, and quarantine them into
+    # a second redo of the same samples) and asks nothing new.
+    resumed.close()
+    resumed = new_trainer(cfg)
+    assert resumed.steps == durable
+    assert {(p["segment_id"], use, i) for p in resumed.position.rolled_back
+            for use in range(p["first_use"], p["last_use"] + 1) for i in p["sample_ids"]} == expected
+    assert store.redo_waiting() == waiting and not store.quarantined()
 
     # What an extractor does with its redo requests: the same samples, as replacement segments.
     writer = store.writer("test-writer")

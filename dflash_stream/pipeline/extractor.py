@@ -257,8 +257,8 @@ class Extractor:
                 return written
             written += 1
             self.health.segment([s.sample_id for s in stored])  # checked above; only new segments are logged
-            log.info("extracted the %d sample(s) of redo part %s again: segment %s (from use %d)",
-                     len(stored), tag, info.segment_id, part["first_use"])
+            log.info("extracted the %d sample(s) of %s part %s again: segment %s (from use %d)",
+                     len(stored), part["why"], tag, info.segment_id, part["first_use"])
         return written
 
     def serve_redo(self, training_over) -> None:

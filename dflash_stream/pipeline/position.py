@@ -179,13 +179,14 @@ class DataPosition:
 
     def _roll_back(self, lost: list[Claim], partial: list[tuple[Claim, list[int]]], step: int) -> None:
         """The uses `lost` were released after checkpoint `step` and their training since it is undone: ask
-        their writers to extract again the samples the checkpoint does not record as trained, then forget them
-        (the requests are durable first, so a crash in between asks again, for the same parts)."""
+        their writers to extract again the samples the checkpoint does not record as trained. The journal keeps
+        them until the next durable checkpoint: a second crash before it resumes from `step` again, and must
+        again know them as lost, or it would read their half-trained records in that checkpoint from segments
+        already gone; asking again changes nothing (one request per use, left as it is)."""
         trained = {(claim.segment_id, claim.use_index): set(ids) for claim, ids in partial}
         self.rolled_back = redo_parts(lost, trained)
         self.store.request_redo(self.rolled_back, f"released by {self.consumer_id} after checkpoint step {step}, "
                                                   "whose training a crash undid")
-        self.journal.clear()
         uses = sum(len(p["sample_ids"]) * (p["last_use"] - p["first_use"] + 1) for p in self.rolled_back)
         log.info("rolled back %d segment use(s) released after checkpoint step %d: %d sample use(s) to train again, "
                  "%d sample(s) to extract again (%d part(s))", len(lost), step, uses,

@@ -136,8 +136,8 @@ class StoreReplay:
             except StoreFull:
                 return written
             written += 1
-            log.info("replayed the %d sample(s) of redo part %s again: segment %s (from use %d)",
-                     len(found), tag, info.segment_id, part["first_use"])
+            log.info("replayed the %d sample(s) of %s part %s again: segment %s (from use %d)",
+                     len(found), part["why"], tag, info.segment_id, part["first_use"])
         return written
 
     def serve_redo(self, training_over) -> None:

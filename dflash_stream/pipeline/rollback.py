@@ -52,11 +52,6 @@ class ReleaseJournal:
         """The uses released after the checkpoint at `step`: their training is not in it."""
         return [claim_from_record(line["claim"]) for line in self._lines() if line["step"] > step]
 
-    def clear(self) -> None:
-        """A resume asked for every use in here to be extracted again (or the checkpoint holds it)."""
-        if self.path.exists():
-            write_atomic(self.path, "", durable=True)
-
     def forget_upto(self, step: int) -> None:
         """A checkpoint at `step` is durable: it holds every use released up to it. Nothing is rewritten while
         the journal has nothing that old."""

@@ -431,14 +431,14 @@ class Store:
 
     def redo_requests(self, writer_id: str) -> list[tuple[str, dict[str, Any]]]:
         """(tag, part) for each part that writer `writer_id` has not extracted again yet: the quarantined ones,
-        then the rolled-back ones (`request_redo`). A part gives pass_index, first_use and sample_ids; the writer
-        writes them with `write(samples, pass_index, first_use=..., replaces=tag)`, which takes the part's last
-        use from its request."""
+        then the rolled-back ones (`request_redo`). A part gives pass_index, first_use, sample_ids and why
+        ("quarantined" or "rolled back"); the writer writes them with `write(samples, pass_index,
+        first_use=..., replaces=tag)`, which takes the part's last use from its request."""
         redone = {n.removesuffix(".redone") for n in self._ls("quarantine") if n.endswith(".redone")}
-        quarantined = [(f"{r['segment_id']}.{k}", part) for r in self.quarantined()
+        quarantined = [(f"{r['segment_id']}.{k}", {**part, "why": "quarantined"}) for r in self.quarantined()
                        if r["segment_id"].rpartition(".")[0] == writer_id
                        for k, part in enumerate(r["redo"]) if f"{r['segment_id']}.{k}" not in redone]
-        return quarantined + [(r["tag"], r) for r in self.rollbacks()
+        return quarantined + [(r["tag"], {**r, "why": "rolled back"}) for r in self.rollbacks()
                               if not r["redone"] and r["segment_id"].rpartition(".")[0] == writer_id]
 
     def redo_pending(self) -> bool:
