@@ -258,7 +258,10 @@ def test_a_disk_smaller_than_the_budget_stops_cleanly_then_resumes(tiny_target_d
     output = small_disk / "out"
     config = write_run_config(tmp_path, tiny_target_dir, rows=120, **{
         "output_dir": str(output), "store.path": str(output / "store"), "store.budget": "50MB",
-        "store.keep_free": 0, "train.epochs": 1})
+        "store.keep_free": 0, "train.epochs": 1,
+        # Segments stay until a checkpoint records them, so the store fills the disk before the first one (released
+        # on use, they leave as trained and the checkpoint finds room: that rule's own point).
+        "train.release": "after_checkpoint"})
     monkeypatch.setattr(diskfull, "WAIT_SECONDS", 2.0)
     # The scenario is a disk that fills after the start check passed (another job takes the space): that check
     # (sizing.disk, tested in test_disk.py) would refuse this config up front, so it is taken out here.

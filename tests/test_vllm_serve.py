@@ -175,6 +175,11 @@ def test_state_health_figures_per_layer():
     with pytest.raises(ZeroStates, match=r"sample 11 \(rows.jsonl#0\), engine vllm: layer 7's states are all zero "
                                          r"for 1 of 2 tokens"):
         health.check(sample, zero_row)
+    # One zero row among three tokens is a real forward's (a token whose embedding row is zero): figures, no stop.
+    three = PreparedSample(12, torch.zeros(3, dtype=torch.int32).numpy(), torch.ones(3, dtype=torch.bool).numpy(),
+                           "rows.jsonl#1")
+    health.check(three, torch.cat([states, zero_row[1:]]))
+    assert health.segment([12])["zero_share"] == [0.0, pytest.approx(4 / 6)]
     nan = states.clone()
     nan[0, 1] = float("nan")
     with pytest.raises(NonFiniteStates, match=r"engine vllm: layer 3's states hold 1 NaN/Inf values"):

@@ -54,7 +54,7 @@ from dflash_stream.pipeline.rollback import ReleaseJournal
 from dflash_stream.pipeline.schedule import WarmupCosine
 from dflash_stream.pipeline.signals import StopRequest
 from dflash_stream.pipeline.stats import StepStats
-from dflash_stream.pipeline.waiting import DataWait
+from dflash_stream.pipeline.waiting import DataWait, DataWaitTimeout
 from dflash_stream.rundir import RunDir
 from dflash_stream.units import fmt_bytes
 
@@ -521,7 +521,13 @@ class Trainer:
             time.sleep(0.05)  # only the other ranks are still training; wait for their next step
             return
         # A segment READY in the store, or claimed and being decoded, is data on its way: no wait to report.
-        self.data_wait.tick(data_on_its_way=not self._store_idle())
+        try:
+            self.data_wait.tick(data_on_its_way=not self._store_idle())
+        except DataWaitTimeout:
+            # A stop, not a crash: keep what was trained (with release on_use, the uses released since the last
+            # checkpoint would otherwise wait for re-extraction). Every rank gives up at the same poll.
+            self._checkpoint("no data within --wait-timeout", wait=True)
+            raise
         started = time.perf_counter()
         self._take_segment(timeout=WAIT_POLL_SECONDS)
         self.data_wait_seconds += time.perf_counter() - started
