@@ -82,7 +82,7 @@ VLLM_PYTHON = Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "pyth
 def served_target_dir(demo_tokenizer_dir, tmp_path_factory) -> Path:
     """A 6-layer random Llama with 32-wide heads (vLLM's CPU attention takes no narrower), beside the real
     tokenizer: the target the vLLM extraction tests serve."""
-    from target_families import save_target
+    from dflash_stream.bench.tiny_targets import save_target
 
     return save_target("llama", tmp_path_factory.mktemp("served-target"), demo_tokenizer_dir, served=True)
 

@@ -128,9 +128,9 @@ def test_gemma_export_records_its_scale_and_warns_for_vllm(tmp_path, caplog):
         shared = export_drafter(drafter, spec, tmp_path / "shared")
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "\n" not in warnings[0] and "unscaled" in warnings[0]
-    assert json.loads((shared / "config.json").read_text())["dflash_config"]["input_embedding_scale"] == 8.0
+    assert json.loads((shared / "config.json").read_text())["dflash_config"]["input_embedding_scale"] == spec.embed_scale
     assert drafter_embedding_note(shared) is not None
-    assert spec_from_zlab_config(json.loads((shared / "config.json").read_text())).embed_scale == 8.0
+    assert spec_from_zlab_config(json.loads((shared / "config.json").read_text())).embed_scale == spec.embed_scale
 
     table = torch.randn(spec.vocab_size, spec.hidden_size)
     caplog.clear()
