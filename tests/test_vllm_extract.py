@@ -151,6 +151,7 @@ def test_hybrid_targets_states_equal_the_extractors_own_capture(family, vllm_ext
     (its qwen3_5 module imports the Qwen-VL image processor, which needs torchvision; the CPU environment has
     none that matches its torch): the same comparison on a server of its own."""
     from conftest import ExtractionServer
+
     from dflash_stream.bench.tiny_targets import save_target
 
     missing = _vllm_loads("vllm.model_executor.models.qwen3_5")
