@@ -64,7 +64,7 @@ def test_plan_headline_64_layers(tmp_path: Path, capsys) -> None:
     assert json.loads(capsys.readouterr().out)["volume"]["raw_bytes_per_token"] == 51_200
     assert main(["plan", "--config", str(path), "--samples", "914000"]) == 0
     page = capsys.readouterr().out
-    assert "51,200 B" in page and "[1, 16, 31, 46, 61]" in page and "README Benchmarks" in page
+    assert "51,200 B" in page and "[1, 16, 31, 46, 61]" in page and "docs/benchmarks.md" in page
     assert "DESIGN.md" not in page and "Blosc" not in page  # the project ships neither
 
 

@@ -28,7 +28,7 @@ from dflash_stream.target_model.vllm_serve import spool_dir
 from dflash_stream.units import fmt_bytes, fmt_count, fmt_duration
 
 # The codec's design ratio (store/codecs.py, measured on SmolLM2-135M states) until `tune` measures this target.
-DESIGN_RATIO_NOTE = "measured on SmolLM2-135M states, README Benchmarks (run `tune` to measure this target)"
+DESIGN_RATIO_NOTE = "measured on SmolLM2-135M states, docs/benchmarks.md (run `tune` to measure this target)"
 CHECKPOINT_STALL_WARN = 0.05  # warn when checkpoints stop training for more than this share of its time
 THIN_MARGIN = 0.2  # warn when the disk left after the budget is under this fraction of the budget
 REUSE_WINDOW_STEPS_MEASURED = 4.5
@@ -186,7 +186,7 @@ def build_plan(cfg: Config, samples: int | None = None, mean_tokens: float | Non
             f"the buffer holds ~{fmt_count(buffer['window_samples'])} samples, ~{steps:.1f} optimizer steps of them, "
             f"and with train.epoch_source=reuse each sample's {cfg.train.epochs} epochs fall within that window; "
             f"`bench quality` found reuse as good as offline with a window of {REUSE_WINDOW_STEPS_MEASURED} steps "
-            "and 4 % worse in held-out loss at 0.9 (README, Quality): raise store.budget, or use "
+            "and 4 % worse in held-out loss at 0.9 (docs/benchmarks.md, Quality): raise store.budget, or use "
             "epoch_source=reextract (a full reshuffle per epoch, the target run every epoch)")
     if roles.get("better"):
         warnings.append(roles["better"])
