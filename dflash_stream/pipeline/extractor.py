@@ -288,7 +288,7 @@ class Extractor:
     # -- forward loop ---------------------------------------------------------------------------------------
 
     def _feed(self, until_full: bool) -> bool:
-        """Run batches through the target until the work is done (True) or the buffer refused a segment."""
+        """Extract the work plan's batches until the work is done (True) or the buffer refused a segment."""
         self._sink.start(non_blocking=until_full)
         exhausted = False
         try:
@@ -298,16 +298,25 @@ class Extractor:
                     exhausted = True
                     break
                 pass_index, batch = item
-                if batch is None:
+                if batch is None:  # every state of the pass goes to the packer before it closes the pass
+                    self._flush()
                     self.backpressure_seconds += self._sink.put(_EndOfPass(pass_index))
                     continue
-                for part, states, ready in self._forward(batch):
-                    self.backpressure_seconds += self._sink.put(_Captured(pass_index, part, states, ready))
-                    self._forwarded_tokens += sum(s.num_tokens for s in part)
-                    self._advance(len(part))
+                self._extract_batch(pass_index, batch)
+            self._flush()
         finally:
             self._sink.stop()
         return exhausted and not self._packer.full
+
+    def _extract_batch(self, pass_index: int, batch: list[PreparedSample]) -> None:
+        """Run one batch through the target and hand its states to the sink."""
+        for part, states, ready in self._forward(batch):
+            self.backpressure_seconds += self._sink.put(_Captured(pass_index, part, states, ready))
+            self._forwarded_tokens += sum(s.num_tokens for s in part)
+            self._advance(len(part))
+
+    def _flush(self) -> None:
+        """Hand the sink whatever is still on its way (here: nothing; the forward hands over as it goes)."""
 
     def _forward(self, batch: list[PreparedSample]) -> Iterator[tuple[list[PreparedSample], torch.Tensor, Any]]:
         """Capture a longest-first batch; on out-of-memory halve extract.batch_tokens and retry it in parts."""

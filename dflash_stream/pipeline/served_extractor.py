@@ -21,7 +21,7 @@ import torch
 
 from dflash_stream.data import PreparedSample
 from dflash_stream.errors import DFlashError
-from dflash_stream.pipeline.extractor import Extractor, _Captured, _EndOfPass
+from dflash_stream.pipeline.extractor import Extractor, _Captured
 from dflash_stream.target_model import TargetShape, stored_layer_ids, target_shape
 from dflash_stream.target_model.loading import load_tokenizer, target_stop_ids
 from dflash_stream.target_model.served_states import Failed, Served, StateClient, share_bytes
@@ -60,30 +60,16 @@ class ServedExtractor(Extractor):
     def summary(self) -> dict[str, Any]:
         return {**super().summary(), "engine": "vllm", "servers": self.client.stats()}
 
-    def _feed(self, until_full: bool) -> bool:
-        """Keep requests in flight over the work plan and hand their states to the sink as they come; True when
-        the work is done, False when the full buffer refused a segment (`until_full`)."""
-        self._sink.start(non_blocking=until_full)
-        exhausted = False
-        try:
-            while not self._packer.full:
-                item = next(self._work, None)
-                if item is None:
-                    exhausted = True
-                    break
-                pass_index, batch = item
-                if batch is None:  # every state of the pass goes to the packer before it closes the pass
-                    self._hand_over(wait=-1)
-                    self.backpressure_seconds += self._sink.put(_EndOfPass(pass_index))
-                    continue
-                for sample in batch:
-                    self._wait_for_room(sample.num_tokens)
-                    self.client.submit(sample.sample_id, sample.input_ids.tolist(), (pass_index, sample))
-                    self._hand_over(wait=0)
-            self._hand_over(wait=-1)  # what is in flight is packed (or held by a refusing buffer) before returning
-        finally:
-            self._sink.stop()
-        return exhausted and not self._packer.full
+    def _extract_batch(self, pass_index: int, batch: list[PreparedSample]) -> None:
+        """Send the batch's requests as the spool has room, handing over the states that come meanwhile."""
+        for sample in batch:
+            self._wait_for_room(sample.num_tokens)
+            self.client.submit(sample.sample_id, sample.input_ids.tolist(), (pass_index, sample))
+            self._hand_over(wait=0)
+
+    def _flush(self) -> None:
+        """What is in flight is packed (or held by a refusing buffer) before a pass closes or the feed returns."""
+        self._hand_over(wait=-1)
 
     def _wait_for_room(self, tokens: int) -> None:
         """Until the spool has room for one more request: hand over what comes in the meantime, and while
