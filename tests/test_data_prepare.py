@@ -11,7 +11,7 @@ import pytest
 
 from dflash_stream.config import ConfigError, config_from_dict
 from dflash_stream.data import prepare_shard, token_budget_batches
-from dflash_stream.data.sources import plan_rows, stable_hash
+from dflash_stream.data.sources import count_row_copies, plan_rows, stable_hash
 
 DEMO = Path(str(files("dflash_stream") / "demo_data"))
 DEMO_FILES = ["sharegpt_chats.jsonl", "openai_messages.jsonl", "alpaca_tasks.json", "prompts_only.jsonl",
@@ -127,12 +127,16 @@ def test_weights_copy_rows_with_distinct_ids(tmp_path):
     assert per_source[0] == 200 and 150 < per_source[1] < 250 and 550 < per_source[2] < 650
     assert len({r.sample_id for r in refs}) == len(refs)
     assert plan_rows(cfg.data, [100, 400, 400]) == refs
+    # plan's count takes a shortcut for whole weights; it must count what the plan makes.
+    assert count_row_copies(cfg.data, [100, 400, 400]) == len(refs)
 
 
 def test_duplicate_source_names_are_refused(tmp_path):
     cfg = make_cfg(tmp_path, [{"path": "x/data.jsonl"}, {"path": "x/data.jsonl"}])
     with pytest.raises(ConfigError, match=r"data.sources\[1\].name"):
         plan_rows(cfg.data, [1, 1])
+    with pytest.raises(ConfigError, match=r"data.sources\[1\].name"):
+        count_row_copies(cfg.data, [1, 1])
 
 
 def test_token_budget_batches_count_padding():

@@ -70,7 +70,7 @@ def read_data_summary(cfg: Config) -> dict[str, Any] | None:
 def plan_samples(cfg: Config, samples: int | None) -> tuple[int | None, str]:
     """(samples, where the figure comes from): --samples, data.expected_samples, `dflash-stream data`'s count, or
     the local sources' rows under their limits and weights (None when a hub source has no limit)."""
-    from dflash_stream.data import plan_rows
+    from dflash_stream.data.sources import count_row_copies
 
     if samples:
         return samples, "given (--samples)"
@@ -87,8 +87,8 @@ def plan_samples(cfg: Config, samples: int | None) -> tuple[int | None, str]:
             return None, f"unknown: {src.path} is not a local file; pass --samples"
         sizes.append(min(rows, src.limit or rows) if rows is not None else src.limit)
         how.add("rows counted" if rows is not None else "source limit")
-    # The data part's own row plan: limits, and weights that repeat rows.
-    return len(plan_rows(cfg.data, sizes)), f"{' + '.join(sorted(how))}, before filtering"
+    # The data part's own rule for limits and weights that repeat rows.
+    return count_row_copies(cfg.data, sizes), f"{' + '.join(sorted(how))}, before filtering"
 
 
 def plan_mean_tokens(cfg: Config, mean_tokens: float | None, tune: dict | None) -> tuple[float, str]:

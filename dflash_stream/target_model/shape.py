@@ -139,10 +139,22 @@ def _linear_state_elements(tc: Any, layers: int) -> int:
     return layers * (recurrent + conv)
 
 
+_PARAMETER_COUNTS: dict[str, tuple[int, int]] = {}
+
+
 def count_parameters(config: Any) -> tuple[int, int]:
     """(total, active) parameters of the causal LM this config builds, counted on the meta device (no memory).
 
-    Routed experts count `num_experts_per_tok / num_experts` towards the active figure; shared experts fully."""
+    Routed experts count `num_experts_per_tok / num_experts` towards the active figure; shared experts fully.
+    Remembered per config for the process: building a 27B model, even on meta, takes seconds, and plan, tune
+    and run each ask for the same target."""
+    key = config.to_json_string(use_diff=False)
+    if key not in _PARAMETER_COUNTS:
+        _PARAMETER_COUNTS[key] = _count_parameters(config)
+    return _PARAMETER_COUNTS[key]
+
+
+def _count_parameters(config: Any) -> tuple[int, int]:
     import torch
     from transformers import AutoModelForCausalLM
 
