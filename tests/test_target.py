@@ -108,3 +108,20 @@ def test_real_target_from_gguf(demo_model, demo_target):
         reference = model(ids, output_hidden_states=True).hidden_states
     for k, layer in enumerate(layer_ids):
         assert torch.equal(states[0, :, k * 576:(k + 1) * 576], reference[layer + 1][0].to(torch.bfloat16))
+
+
+def test_a_gguf_config_is_parsed_once_per_process_and_each_caller_gets_its_own(demo_model, monkeypatch):
+    import transformers
+
+    from dflash_stream.target_model.location import load_target_config
+
+    target = TargetConfig(model=str(demo_model[0]), gguf_file=demo_model[1])
+    first = load_target_config(target)
+    first.num_hidden_layers = 1  # a caller's change stays its own
+
+    def parse_again(*args, **kwargs):
+        raise AssertionError("the GGUF header was parsed again")
+
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", parse_again)
+    again = load_target_config(target)
+    assert again.num_hidden_layers == 30 and again.hidden_size == 576

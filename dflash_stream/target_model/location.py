@@ -5,6 +5,7 @@ Below `loading.py` (the weights) and `shape.py` (the figures read from this conf
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 from pathlib import Path
 from typing import Any
@@ -35,13 +36,27 @@ def model_location(target: TargetConfig) -> tuple[str, dict[str, Any]]:
     return location, kwargs
 
 
+_GGUF_CONFIGS: dict[tuple, Any] = {}
+
+
 def load_target_config(target: TargetConfig):
-    """The target's transformers config (reads config.json or the GGUF header, not the weights)."""
+    """The target's transformers config (reads config.json or the GGUF header, not the weights). A GGUF file's
+    header is parsed whole (its vocabulary too: ~5 s for the demo's), so its config is kept for the process
+    while the file is unchanged; callers get their own copy."""
     from transformers import AutoConfig
 
     location, kwargs = model_location(target)
+    key = None
+    if target.gguf_file:
+        stat = (Path(location) / target.gguf_file).stat()
+        key = (str(Path(location).resolve()), tuple(sorted(kwargs.items())), stat.st_size, stat.st_mtime_ns)
+        if key in _GGUF_CONFIGS:
+            return copy.deepcopy(_GGUF_CONFIGS[key])
     try:
-        return AutoConfig.from_pretrained(location, **kwargs)
+        config = AutoConfig.from_pretrained(location, **kwargs)
     except OSError as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise ConfigError(f"target.model: cannot read a model config from '{target.model}': {first}") from None
+    if key is not None:
+        _GGUF_CONFIGS[key] = copy.deepcopy(config)
+    return config
