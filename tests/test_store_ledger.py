@@ -20,7 +20,10 @@ from dflash_stream.store import FingerprintMismatch, SegmentInfo, Store, lease, 
 from dflash_stream.store import store as store_module
 from dflash_stream.store.budget import du
 
-CTX = mp.get_context("spawn")
+# Each child a fresh process (no thread or lock of pytest's), forked from a server that imported this module
+# once: a spawned child's imports cost a second or two, and these tests start dozens.
+CTX = mp.get_context("forkserver")
+CTX.set_forkserver_preload(["test_store_ledger"])
 
 
 class Killed(BaseException):

@@ -17,7 +17,10 @@ from dflash_stream.store import SegmentReader, Store
 from dflash_stream.store.budget import du
 
 pytestmark = pytest.mark.slow
-CTX = mp.get_context("spawn")
+# Each child a fresh process (no thread or lock of pytest's), forked from a server that imported this module
+# once: a spawned child's imports cost a second or two, and these tests start dozens.
+CTX = mp.get_context("forkserver")
+CTX.set_forkserver_preload(["test_store_processes"])
 
 
 def writer_proc(path: str, budget: int, reuse: int, writer_id: str, ids: list[int], seed: int) -> None:
