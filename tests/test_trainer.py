@@ -394,8 +394,7 @@ def test_a_run_with_nothing_to_train_stops_before_training_naming_why(tmp_path, 
     assert ckpt.latest_checkpoint(cfg.output_dir) is None
 
 
-@pytest.mark.parametrize("rule", ["on_use", "after_checkpoint"])
-def test_until_idle_trains_what_is_ready_releases_it_and_returns(tmp_path, target_dir, samples, rule):
+def check_until_idle(tmp_path, target_dir, samples, rule):
     """Single-process mode: extraction and training alternate, so training must stop (not block) when the
     ready segments are used up, with everything trained so far released (after_checkpoint: and checkpointed;
     on_use: no checkpoint is due before checkpoint_every)."""
@@ -421,6 +420,14 @@ def test_until_idle_trains_what_is_ready_releases_it_and_returns(tmp_path, targe
     assert_store_drained(store)
     # No data report: the length was unknown while the store held a part of the data; it never hit zero.
     assert all(e["lr"] > 0 for e in read_metrics(cfg.output_dir) if e["event"] == "train")
+
+
+def test_until_idle_trains_what_is_ready_releases_it_and_returns(tmp_path, target_dir, samples):
+    check_until_idle(tmp_path, target_dir, samples, rule="after_checkpoint")
+
+
+def test_until_idle_trains_what_is_ready_releases_it_on_use_and_returns(tmp_path, target_dir, samples):
+    check_until_idle(tmp_path, target_dir, samples, rule="on_use")
 
 
 def test_segments_smaller_than_a_batch_still_make_full_batches(tmp_path, target_dir, samples):
@@ -484,8 +491,7 @@ def test_training_goes_on_while_a_checkpoint_is_written_and_its_release_waits_un
     assert_store_drained(store)
 
 
-@pytest.mark.parametrize("rule", ["after_checkpoint", "on_use"])
-def test_a_blocked_extractor_makes_the_trainer_checkpoint_and_release(tmp_path, target_dir, samples, rule):
+def check_blocked_extractor(tmp_path, target_dir, samples, rule):
     """A buffer too small for the data: the writer blocks on the budget, and the trainer, which still has
     segments to train, must release the finished ones rather than wait for its next scheduled checkpoint (which
     never comes here): otherwise both sides wait forever. after_checkpoint: it checkpoints to release them;
@@ -516,6 +522,14 @@ def test_a_blocked_extractor_makes_the_trainer_checkpoint_and_release(tmp_path, 
     else:
         assert reasons == ["end of data"]
     assert_exactly_once(Path(cfg.output_dir), samples, epochs=1)
+
+
+def test_a_blocked_extractor_makes_the_trainer_checkpoint_and_release(tmp_path, target_dir, samples):
+    check_blocked_extractor(tmp_path, target_dir, samples, rule="after_checkpoint")
+
+
+def test_a_blocked_extractor_makes_the_trainer_release_on_use(tmp_path, target_dir, samples):
+    check_blocked_extractor(tmp_path, target_dir, samples, rule="on_use")
 
 
 def _free_port() -> int:
