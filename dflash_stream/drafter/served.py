@@ -247,7 +247,7 @@ def vllm_eval(job: ServedEval, drafter_dir: str | Path, block_size: int, max_new
 
     workdir = Path(workdir)
     model_dir = safetensors_copy(job.target, job.tokenizer, workdir, job.model)
-    longest = max(len(p) for p in job.prompts) + max_new_tokens + block_size  # drafts may reach past the budget
+    longest = drafting_model_len(max(len(p) for p in job.prompts), max_new_tokens, block_size)
     dtype = str(resolve_dtype(job.target, torch.device("cpu"))).removeprefix("torch.")
     log_path = workdir / "logs" / "vllm-eval.log"
     log_path.unlink(missing_ok=True)  # the log read back on failure is this server's
@@ -268,6 +268,18 @@ def vllm_eval(job: ServedEval, drafter_dir: str | Path, block_size: int, max_new
         entry = _ask(job, server.url, block_size, max_new_tokens)
     entry.update(server="local", startup_seconds=round(startup, 1), log=str(log_path))
     return {**entry, **({"notes": notes} if notes else {})}
+
+
+def drafting_model_len(prompt_tokens: int, max_new_tokens: int, block_size: int) -> int:
+    """The max_model_len at which vLLM drafts every step of an answer of `max_new_tokens` after `prompt_tokens`.
+
+    vLLM drafts after a verification step only while that step's sequence (the block, rejected tokens included)
+    plus the next query block fits: `max_seq_len + num_speculative_tokens + 1 <= max_model_len`
+    (gpu_model_runner's drafting check). Our loop drafts up to the answer's second-to-last token, after a block
+    that started one position before at most: 2 blocks past the budget. Short of that, vLLM stops drafting the
+    last tokens of the longest prompts and counts each of their steps as a draft with nothing accepted (gpt_oss
+    in `bench eval-engines`: 197 drafts against our 194, τ 1.5 % under ours, every common step's drafts equal)."""
+    return prompt_tokens + max_new_tokens + 2 * block_size
 
 
 def _ask(job: ServedEval, url: str, block_size: int, max_new_tokens: int) -> dict[str, Any]:
