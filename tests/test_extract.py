@@ -185,6 +185,47 @@ def test_regenerated_responses_are_extracted_and_cached(tmp_path, tiny_target_di
         {i: s.input_ids.tolist() for i, s in stored.items()}
 
 
+def test_a_blocked_extractor_generates_the_coming_answers_then_says_it_is_idle(tmp_path, tiny_target_dir, tiny):
+    """While the full buffer holds the forward loop back, in-process regeneration goes on: the answers of the rest
+    of the shard are generated meanwhile (regeneration runs beside training instead of after it), then the writer
+    says it is idle (its cores go to the trainers). Once room comes every sample is stored, with those answers."""
+    import threading
+    import time
+
+    tree = make_cfg(tmp_path, tiny_target_dir, regenerate=True, min_supervised_tokens=2,
+                    generation={"max_new_tokens": 8, "batch_size": 3})
+    tree["data"]["sources"] = [{"path": str(DEMO / "prompts_only.jsonl"), "limit": 15}]
+    tree["data"]["max_length"] = 64
+    # Room for a couple of one-sample segments, one-sample forward batches, windows of 3 samples: the forward loop
+    # is held back after a handful of samples, long before the last window.
+    tree["store"].update(budget=505_000, segment_bytes=12_000)
+    tree["extract"].update(batch_tokens=64, queue_size=1)
+    extractor, store = start(tree, tiny)
+    store.set_expected_writers(1)
+    assert len(list(extractor._windows(extractor.samples))) == 5 and len(extractor.samples) == 15
+    outcome: list[object] = []
+    thread = threading.Thread(target=lambda: outcome.append(extractor.run()), daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 120
+    while not store.writers_idle() and thread.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert store.writers_idle(), "the blocked extractor never said it is idle"
+    assert all(s.sample_id in extractor.cache for s in extractor.samples)  # every answer, not only the 1st window
+    assert extractor.ahead_seconds > 0 and store.status()["segments"]["ready"] > 0
+    stored: dict[int, object] = {}
+    while thread.is_alive() and time.monotonic() < deadline:
+        stored.update((s.sample_id, s) for _, s in drain(store))
+        time.sleep(0.05)
+    thread.join(timeout=1)
+    stored.update((s.sample_id, s) for _, s in drain(store))
+    assert outcome == [True] and not list((store.path / "writers").glob("*.idle"))  # finished, no longer idle
+    assert sorted(stored) == sorted(s.sample_id for s in extractor.samples)
+    for prompt in extractor.samples:
+        n = prompt.num_tokens
+        assert stored[prompt.sample_id].input_ids[n:].tolist() == extractor.cache.get(prompt.sample_id)[
+            : len(stored[prompt.sample_id].input_ids) - n]
+
+
 @pytest.mark.slow
 def test_extract_command(tmp_path, tiny_target_dir):
     from dflash_stream.cli import main
