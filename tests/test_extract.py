@@ -226,6 +226,33 @@ def test_a_blocked_extractor_generates_the_coming_answers_then_says_it_is_idle(t
             : len(stored[prompt.sample_id].input_ids) - n]
 
 
+def test_a_cpu_extractor_weighs_the_cores_at_every_decoding_step(tmp_path, tiny_target_dir, tiny, monkeypatch):
+    """A generation batch decodes for a while, and the trainers get nothing new until its window is extracted: the
+    extractor looks at the store at every decoding step, so the cores a starved trainer leaves idle come to it in
+    the middle of the batch, not at the next one."""
+    import os
+
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("one core: there is nothing to lend")
+    tree = make_cfg(tmp_path, tiny_target_dir, regenerate=True, generation={"max_new_tokens": 8, "batch_size": 4})
+    tree["data"]["sources"] = [{"path": str(DEMO / "prompts_only.jsonl"), "limit": 4}]
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # a process of `accelerate launch` (OMP_NUM_THREADS=1)
+    try:
+        extractor, store = start(tree, tiny)
+        looks = iter([True, True, True])  # the trainer has data for three looks, then runs dry
+        monkeypatch.setattr(store, "work_for_consumers", lambda: next(looks, False))
+        asked: list[bool] = []
+        use = extractor._cores.use
+        monkeypatch.setattr(extractor._cores, "use", lambda all_of_them: (asked.append(all_of_them), use(all_of_them)))
+        extractor._generate(extractor.samples)
+        assert asked[:3] == [False, False, False] and len(asked) > 4 and all(asked[3:])
+        assert torch.get_num_threads() == len(os.sched_getaffinity(0))  # took the idle cores mid-batch
+        assert all(s.sample_id in extractor.cache for s in extractor.samples)
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.slow
 def test_extract_command(tmp_path, tiny_target_dir):
     from dflash_stream.cli import main

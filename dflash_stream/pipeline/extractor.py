@@ -366,7 +366,7 @@ class Extractor:
         todo = [batch]
         while todo:
             part = todo.pop(0)
-            self._cores.use(not self.store.work_for_consumers())
+            self._weigh_cores()
             try:
                 states, ready = self._capture(part)
             except torch.OutOfMemoryError:
@@ -388,6 +388,11 @@ class Extractor:
                 todo = splits + todo
                 continue
             yield part, states, ready
+
+    def _weigh_cores(self) -> None:
+        """A CPU run: every core while the store holds nothing to train, this process's share otherwise."""
+        if self._cores.enabled:  # elsewhere not even a look at the store (called at every decoding step)
+            self._cores.use(not self.store.work_for_consumers())
 
     def _capture(self, part: list[PreparedSample]) -> tuple[torch.Tensor, torch.cuda.Event | None]:
         # Right padding: causal attention keeps every real token blind to the pads after it.
@@ -483,9 +488,11 @@ class Extractor:
             self._regen_bar = progress(total=todo, unit="sample", desc="regenerate")
         chunk = sorted(prompts, key=lambda s: s.num_tokens)
         budget = min(gen.max_new_tokens, self.cfg.data.max_length - chunk[0].num_tokens)
-        self._cores.use(not self.store.work_for_consumers())
         started = time.perf_counter()
-        responses = generate_responses(self.model, self.tokenizer, [s.input_ids for s in chunk], gen, budget)
+        # The trainers may run out of data in the middle of a batch (it decodes for a while, and they get nothing
+        # new until its window is extracted): the cores are weighed again at every decoding step.
+        responses = generate_responses(self.model, self.tokenizer, [s.input_ids for s in chunk], gen, budget,
+                                       on_step=self._weigh_cores)
         self._generate_seconds += time.perf_counter() - started
         self._generated_tokens += sum(len(r) for r in responses)
         self.cache.add({s.sample_id: r for s, r in zip(chunk, responses, strict=True)})
