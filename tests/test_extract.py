@@ -279,8 +279,8 @@ def test_progress_reaches_100_percent_when_regeneration_drops_samples(tmp_path, 
 
     real = extractor_module.generate_responses
 
-    def every_third_short(model, tokenizer, prompts, gen, budget):
-        responses = real(model, tokenizer, prompts, gen, budget)
+    def every_third_short(model, tokenizer, prompts, gen, budget, **hooks):
+        responses = real(model, tokenizer, prompts, gen, budget, **hooks)
         return [r[:1] if i % 3 == 0 else r for i, r in enumerate(responses)]
 
     monkeypatch.setattr(extractor_module, "generate_responses", every_third_short)
