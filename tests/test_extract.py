@@ -226,6 +226,38 @@ def test_a_blocked_extractor_generates_the_coming_answers_then_says_it_is_idle(t
             : len(stored[prompt.sample_id].input_ids) - n]
 
 
+def test_an_extractor_whose_forward_is_done_is_idle_while_its_last_segments_wait_for_room(tmp_path, tiny_target_dir,
+                                                                                         tiny):
+    """The forward loop ends long before the sink has written its last batches into a full buffer: the writer says
+    it is idle meanwhile (its cores go to the trainers), and no longer once it is done."""
+    import threading
+    import time
+
+    tree = make_cfg(tmp_path, tiny_target_dir)
+    tree["data"].update(max_length=128)
+    for source in tree["data"]["sources"]:
+        source["limit"] = 8
+    tree["store"].update(budget=700_000, segment_bytes=12_000)
+    tree["extract"].update(batch_tokens=128, queue_size=64)  # the whole shard fits the queue: put never waits
+    extractor, store = start(tree, tiny)
+    store.set_expected_writers(1)
+    outcome: list[object] = []
+    thread = threading.Thread(target=lambda: outcome.append(extractor.run()), daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not store.writers_idle() and thread.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert store.writers_idle() and not store.end_of_data, "the draining extractor never said it is idle"
+    stored = []
+    while thread.is_alive() and time.monotonic() < deadline:
+        stored += drain(store)
+        time.sleep(0.05)
+    thread.join(timeout=1)
+    stored += drain(store)
+    assert outcome == [True] and not list((store.path / "writers").glob("*.idle"))
+    assert sorted(s.sample_id for _, s in stored) == sorted(s.sample_id for s in extractor.samples)
+
+
 def test_a_cpu_extractor_weighs_the_cores_at_every_decoding_step(tmp_path, tiny_target_dir, tiny, monkeypatch):
     """A generation batch decodes for a while, and the trainers get nothing new until its window is extracted: the
     extractor looks at the store at every decoding step, so the cores a starved trainer leaves idle come to it in

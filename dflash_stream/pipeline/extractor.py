@@ -321,7 +321,13 @@ class Extractor:
                 self._extract_batch(pass_index, batch)
             self._flush()
         finally:
-            self._sink.stop()
+            # The forward loop is done: while the sink writes the last batches into a full buffer (which takes as
+            # long as the trainers need to free the room), this extractor has nothing else to do.
+            self.writer.idle(True)
+            try:
+                self._sink.stop()
+            finally:
+                self.writer.idle(False)
         return exhausted and not self._packer.full
 
     def _extract_batch(self, pass_index: int, batch: list[PreparedSample]) -> None:
