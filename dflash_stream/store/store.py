@@ -658,11 +658,12 @@ class SegmentWriter:
         only a change touches the disk."""
         if idle != self._idle:
             marker = self.store.path / "writers" / f"{self.id}{IDLE_SUFFIX}"
-            if idle:
-                marker.touch()
-            else:
-                marker.unlink(missing_ok=True)
-            self._idle = idle
+            with contextlib.suppress(OSError):  # only a hint for the trainers' cores; a full disk may refuse it
+                if idle:
+                    marker.touch()
+                else:
+                    marker.unlink(missing_ok=True)
+                self._idle = idle
 
     # ---- budget --------------------------------------------------------------------------------------------
     def _reserve(self, need: int, block: bool) -> None:
