@@ -185,6 +185,106 @@ def test_regenerated_responses_are_extracted_and_cached(tmp_path, tiny_target_di
         {i: s.input_ids.tolist() for i, s in stored.items()}
 
 
+def test_a_blocked_extractor_generates_the_coming_answers_then_says_it_is_idle(tmp_path, tiny_target_dir, tiny):
+    """While the full buffer holds the forward loop back, in-process regeneration goes on: the answers of the rest
+    of the shard are generated meanwhile (regeneration runs beside training instead of after it), then the writer
+    says it is idle (its cores go to the trainers). Once room comes every sample is stored, with those answers."""
+    import threading
+    import time
+
+    tree = make_cfg(tmp_path, tiny_target_dir, regenerate=True, min_supervised_tokens=2,
+                    generation={"max_new_tokens": 8, "batch_size": 3})
+    tree["data"]["sources"] = [{"path": str(DEMO / "prompts_only.jsonl"), "limit": 15}]
+    tree["data"]["max_length"] = 64
+    # Room for a couple of one-sample segments, one-sample forward batches, windows of 3 samples: the forward loop
+    # is held back after a handful of samples, long before the last window.
+    tree["store"].update(budget=505_000, segment_bytes=12_000)
+    tree["extract"].update(batch_tokens=64, queue_size=1)
+    extractor, store = start(tree, tiny)
+    store.set_expected_writers(1)
+    assert len(list(extractor._windows(extractor.samples))) == 5 and len(extractor.samples) == 15
+    outcome: list[object] = []
+    thread = threading.Thread(target=lambda: outcome.append(extractor.run()), daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 120
+    while not store.writers_idle() and thread.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert store.writers_idle(), "the blocked extractor never said it is idle"
+    assert all(s.sample_id in extractor.cache for s in extractor.samples)  # every answer, not only the 1st window
+    assert extractor.ahead_seconds > 0 and store.status()["segments"]["ready"] > 0
+    stored: dict[int, object] = {}
+    while thread.is_alive() and time.monotonic() < deadline:
+        stored.update((s.sample_id, s) for _, s in drain(store))
+        time.sleep(0.05)
+    thread.join(timeout=1)
+    stored.update((s.sample_id, s) for _, s in drain(store))
+    assert outcome == [True] and not list((store.path / "writers").glob("*.idle"))  # finished, no longer idle
+    assert sorted(stored) == sorted(s.sample_id for s in extractor.samples)
+    for prompt in extractor.samples:
+        n = prompt.num_tokens
+        assert stored[prompt.sample_id].input_ids[n:].tolist() == extractor.cache.get(prompt.sample_id)[
+            : len(stored[prompt.sample_id].input_ids) - n]
+
+
+def test_an_extractor_whose_forward_is_done_is_idle_while_its_last_segments_wait_for_room(tmp_path, tiny_target_dir,
+                                                                                         tiny):
+    """The forward loop ends long before the sink has written its last batches into a full buffer: the writer says
+    it is idle meanwhile (its cores go to the trainers), and no longer once it is done."""
+    import threading
+    import time
+
+    tree = make_cfg(tmp_path, tiny_target_dir)
+    tree["data"].update(max_length=128)
+    for source in tree["data"]["sources"]:
+        source["limit"] = 8
+    tree["store"].update(budget=700_000, segment_bytes=12_000)
+    tree["extract"].update(batch_tokens=128, queue_size=64)  # the whole shard fits the queue: put never waits
+    extractor, store = start(tree, tiny)
+    store.set_expected_writers(1)
+    outcome: list[object] = []
+    thread = threading.Thread(target=lambda: outcome.append(extractor.run()), daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not store.writers_idle() and thread.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert store.writers_idle() and not store.end_of_data, "the draining extractor never said it is idle"
+    stored = []
+    while thread.is_alive() and time.monotonic() < deadline:
+        stored += drain(store)
+        time.sleep(0.05)
+    thread.join(timeout=1)
+    stored += drain(store)
+    assert outcome == [True] and not list((store.path / "writers").glob("*.idle"))
+    assert sorted(s.sample_id for _, s in stored) == sorted(s.sample_id for s in extractor.samples)
+
+
+def test_a_cpu_extractor_weighs_the_cores_at_every_decoding_step(tmp_path, tiny_target_dir, tiny, monkeypatch):
+    """A generation batch decodes for a while, and the trainers get nothing new until its window is extracted: the
+    extractor looks at the store at every decoding step, so the cores a starved trainer leaves idle come to it in
+    the middle of the batch, not at the next one."""
+    import os
+
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("one core: there is nothing to lend")
+    tree = make_cfg(tmp_path, tiny_target_dir, regenerate=True, generation={"max_new_tokens": 8, "batch_size": 4})
+    tree["data"]["sources"] = [{"path": str(DEMO / "prompts_only.jsonl"), "limit": 4}]
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # a process of `accelerate launch` (OMP_NUM_THREADS=1)
+    try:
+        extractor, store = start(tree, tiny)
+        looks = iter([True, True, True])  # the trainer has data for three looks, then runs dry
+        monkeypatch.setattr(store, "work_for_consumers", lambda: next(looks, False))
+        asked: list[bool] = []
+        use = extractor._cores.use
+        monkeypatch.setattr(extractor._cores, "use", lambda all_of_them: (asked.append(all_of_them), use(all_of_them)))
+        extractor._generate(extractor.samples)
+        assert asked[:3] == [False, False, False] and len(asked) > 4 and all(asked[3:])
+        assert torch.get_num_threads() == len(os.sched_getaffinity(0))  # took the idle cores mid-batch
+        assert all(s.sample_id in extractor.cache for s in extractor.samples)
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.slow
 def test_extract_command(tmp_path, tiny_target_dir):
     from dflash_stream.cli import main
@@ -211,8 +311,8 @@ def test_progress_reaches_100_percent_when_regeneration_drops_samples(tmp_path, 
 
     real = extractor_module.generate_responses
 
-    def every_third_short(model, tokenizer, prompts, gen, budget):
-        responses = real(model, tokenizer, prompts, gen, budget)
+    def every_third_short(model, tokenizer, prompts, gen, budget, **hooks):
+        responses = real(model, tokenizer, prompts, gen, budget, **hooks)
         return [r[:1] if i % 3 == 0 else r for i, r in enumerate(responses)]
 
     monkeypatch.setattr(extractor_module, "generate_responses", every_third_short)

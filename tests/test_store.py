@@ -236,6 +236,23 @@ def test_reuse_lifecycle_and_records_survive_deletion(tmp_path):
         c.release([Claim("w.000000", 0, 1, (0, 1), 10, 2)])
 
 
+def test_writers_are_idle_once_each_has_finished_or_says_it_waits_with_nothing_to_do(tmp_path):
+    """The hint a CPU run's trainers take the extractors' cores by: every expected writer finished or idle; a
+    writer that starts again (after a crash that left its marker) is not idle."""
+    store = open_store(tmp_path / "s")
+    store.set_expected_writers(2)
+    a, b = store.writer("a"), store.writer("b")
+    a.idle(True)
+    assert not store.writers_idle()
+    b.finish()
+    assert store.writers_idle()
+    a.idle(False)
+    assert not store.writers_idle()
+    a.idle(True)
+    store.writer("a")  # the same writer id again: its stale marker goes
+    assert not store.writers_idle()
+
+
 def test_reader_prefetches_and_ends_at_end_of_data(tmp_path):
     store = open_store(tmp_path / "s")
     store.set_expected_writers(1)

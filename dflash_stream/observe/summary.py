@@ -68,6 +68,9 @@ def role_figures(parts: list[dict[str, Any]], expected: list[str]) -> dict[str, 
         # Writes held back by the full buffer, and how much of that reached the target's forward loop.
         "extractor_backpressure_seconds": _longest(extractors, "backpressure_seconds"),
         "extractor_forward_stall_seconds": _longest(extractors, "stall_seconds"),
+        # In-process regeneration, and the part of it done while the full buffer held the forward loop back.
+        "extractor_generate_seconds": _longest(extractors, "generate_seconds"),
+        "extractor_generate_ahead_seconds": _longest(extractors, "generate_ahead_seconds"),
         "final_loss": lead.get("final_loss"),
         "checkpoint": lead.get("export"),
         "eval": lead.get("eval"),

@@ -4,7 +4,8 @@
 not oversubscribe its cores; on a CPU-only run (the demo) the roles then split the cores between them for the
 whole run. But a role often cannot work: the trainers until the first segment is ready (the extractor regenerates
 and extracts the first window meanwhile), the extractors once all the data is extracted (the trainers train its
-last uses meanwhile). Then the other role takes the idle cores: `HostCores.use(True)` while its counterpart
+last uses meanwhile), or while the full buffer holds them back with no answer left to generate ahead
+(`Store.writers_idle`). Then the other role takes the idle cores: `HostCores.use(True)` while its counterpart
 cannot run, `use(False)` (its launch share) as soon as it can. On a GPU, or in a process that already has every
 core (single-process mode, a separate `extract` or `train`), it changes nothing.
 """

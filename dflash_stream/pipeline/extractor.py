@@ -86,17 +86,25 @@ class _SegmentSink:
         self._thread = threading.Thread(target=self._loop, name="extract-sink", daemon=True)
         self._thread.start()
 
-    def put(self, item: Any) -> float:
-        """Hand an item to the sink; returns the seconds spent waiting for room."""
+    def put(self, item: Any, meanwhile: Callable[[], bool] | None = None) -> float:
+        """Hand an item to the sink; returns the seconds spent waiting for room. While the queue stays full,
+        `meanwhile()` is called between looks: it does a piece of other work (True; its seconds are not counted as
+        waiting) or has none left (False: it is not called again during this put)."""
         started = time.perf_counter()
+        worked = 0.0
         while True:
             if self.error is not None:
                 raise self.error
             try:
                 self.queue.put(item, timeout=0.1)
-                return time.perf_counter() - started
+                return time.perf_counter() - started - worked
             except queue.Full:
-                continue
+                if meanwhile is None:
+                    continue
+                began = time.perf_counter()
+                if not meanwhile():
+                    meanwhile = None
+                worked += time.perf_counter() - began
 
     def stop(self) -> None:
         """Let the sink finish what is queued and end; what it could not write stays with the packer."""
@@ -168,6 +176,11 @@ class Extractor:
         self._dropped_uses = 0  # samples whose regenerated response was too short, per pass: not to extract
         self._regen_bar = None
         self._generated_tokens, self._generate_seconds = 0, 0.0
+        # This pass's samples in extraction order, and how far generating their answers ahead went (`_meanwhile`).
+        self._ahead: list[PreparedSample] = []
+        self._ahead_at = 0
+        self.ahead_seconds = 0.0
+        """Seconds spent generating answers ahead while the forward loop waited for the full buffer."""
         self.backpressure_seconds = self.extract_seconds = 0.0
         self.writer = store.writer(f"extractor-{role.index}")
         self._packer = SegmentPacker(self.writer, int(cfg.store.segment_bytes), width, self._on_segment)
@@ -280,6 +293,9 @@ class Extractor:
             "extract_seconds": round(self.extract_seconds, 2),
             "tok_s": round(self.tokens_written / max(self.extract_seconds, 1e-9), 1),
             "backpressure_seconds": round(self.backpressure_seconds, 2),
+            # In-process regeneration: all of it, and the part done while the full buffer held the forward back.
+            "generate_seconds": round(self._generate_seconds, 2),
+            "generate_ahead_seconds": round(self.ahead_seconds, 2),
             "batch_tokens": self.batch_tokens,
             "data": {k: v for k, v in self.report.to_dict().items() if k != "sample_ids"},
             **({"regenerate": self._server.summary()} if self._server is not None else {}),
@@ -300,30 +316,63 @@ class Extractor:
                 pass_index, batch = item
                 if batch is None:  # every state of the pass goes to the packer before it closes the pass
                     self._flush()
-                    self.backpressure_seconds += self._sink.put(_EndOfPass(pass_index))
+                    self._to_sink(_EndOfPass(pass_index))
                     continue
                 self._extract_batch(pass_index, batch)
             self._flush()
         finally:
-            self._sink.stop()
+            # The forward loop is done: while the sink writes the last batches into a full buffer (which takes as
+            # long as the trainers need to free the room), this extractor has nothing else to do.
+            self.writer.idle(True)
+            try:
+                self._sink.stop()
+            finally:
+                self.writer.idle(False)
         return exhausted and not self._packer.full
 
     def _extract_batch(self, pass_index: int, batch: list[PreparedSample]) -> None:
         """Run one batch through the target and hand its states to the sink."""
         for part, states, ready in self._forward(batch):
-            self.backpressure_seconds += self._sink.put(_Captured(pass_index, part, states, ready))
+            self._to_sink(_Captured(pass_index, part, states, ready))
             self._forwarded_tokens += sum(s.num_tokens for s in part)
             self._advance(len(part))
 
     def _flush(self) -> None:
         """Hand the sink whatever is still on its way (here: nothing; the forward hands over as it goes)."""
 
+    def _to_sink(self, item: _Captured | _EndOfPass) -> None:
+        """Give the sink an item; while it has no room (the buffer is full), generate the coming answers."""
+        try:
+            self.backpressure_seconds += self._sink.put(item, self._meanwhile)
+        finally:
+            self.writer.idle(False)
+
+    def _meanwhile(self) -> bool:
+        """While the forward loop waits for the sink: generate the answers of the next data.generation.batch_size
+        samples of this pass that lack one (True). Regeneration would otherwise stop whenever the buffer is full,
+        and follow training instead of running beside it. With nothing to generate (False), say that this writer
+        is idle: a CPU run's trainers take its cores until it has work again."""
+        if self.cache is not None and self._server is None:
+            chunk = []
+            while self._ahead_at < len(self._ahead) and len(chunk) < self.cfg.data.generation.batch_size:
+                sample = self._ahead[self._ahead_at]
+                self._ahead_at += 1
+                if sample.sample_id not in self.cache:
+                    chunk.append(sample)
+            if chunk:
+                started = time.perf_counter()
+                self._generate(chunk)
+                self.ahead_seconds += time.perf_counter() - started
+                return True
+        self.writer.idle(True)
+        return False
+
     def _forward(self, batch: list[PreparedSample]) -> Iterator[tuple[list[PreparedSample], torch.Tensor, Any]]:
         """Capture a longest-first batch; on out-of-memory halve extract.batch_tokens and retry it in parts."""
         todo = [batch]
         while todo:
             part = todo.pop(0)
-            self._cores.use(not self.store.work_for_consumers())
+            self._weigh_cores()
             try:
                 states, ready = self._capture(part)
             except torch.OutOfMemoryError:
@@ -345,6 +394,11 @@ class Extractor:
                 todo = splits + todo
                 continue
             yield part, states, ready
+
+    def _weigh_cores(self) -> None:
+        """A CPU run: every core while the store holds nothing to train, this process's share otherwise."""
+        if self._cores.enabled:  # elsewhere not even a look at the store (called at every decoding step)
+            self._cores.use(not self.store.work_for_consumers())
 
     def _capture(self, part: list[PreparedSample]) -> tuple[torch.Tensor, torch.cuda.Event | None]:
         # Right padding: causal attention keeps every real token blind to the pads after it.
@@ -368,6 +422,7 @@ class Extractor:
         for pass_index in range(self.cfg.extraction_passes):
             held = self.store.stored_sample_ids().get(pass_index, set())
             todo = [s for s in pass_order(self.samples, self.cfg.data.seed, pass_index) if s.sample_id not in held]
+            self._ahead, self._ahead_at = todo, 0
             if len(todo) < len(self.samples):
                 log.info("pass %d: %d samples already in the store, %d to extract",
                          pass_index, len(self.samples) - len(todo), len(todo))
@@ -411,22 +466,8 @@ class Extractor:
                 raise WriterStopped(f"writer {self.writer.id} stopped waiting for the servers' answers: it was told "
                                     "to stop")
             missing = []
-        if missing and self._regen_bar is None:
-            # Its own bar: generating is usually slower than the forward pass that captures the states.
-            todo = sum(1 for s in self.samples if s.sample_id not in self.cache)
-            self._regen_bar = progress(total=todo, unit="sample", desc="regenerate")
         for first in range(0, len(missing), gen.batch_size):
-            chunk = missing[first : first + gen.batch_size]
-            budget = min(gen.max_new_tokens, max_length - chunk[0].num_tokens)
-            self._cores.use(not self.store.work_for_consumers())
-            started = time.perf_counter()
-            responses = generate_responses(self.model, self.tokenizer, [s.input_ids for s in chunk], gen, budget)
-            self._generate_seconds += time.perf_counter() - started
-            self._generated_tokens += sum(len(r) for r in responses)
-            self.cache.add({s.sample_id: r for s, r in zip(chunk, responses, strict=True)})
-            self._regen_bar.set_postfix_str(
-                f"{self._generated_tokens / max(self._generate_seconds, 1e-9):,.0f} tok/s generated", refresh=False)
-            self._regen_bar.update(len(chunk))
+            self._generate(missing[first : first + gen.batch_size])
         complete = []
         for prompt in prompts:
             response = self.cache.get(prompt.sample_id)
@@ -443,6 +484,27 @@ class Extractor:
             else:
                 complete.append(sample)
         return complete
+
+    def _generate(self, prompts: list[PreparedSample]) -> None:
+        """The target's answers to `prompts` (one generation batch), into the cache."""
+        gen = self.cfg.data.generation
+        if self._regen_bar is None:
+            # Its own bar: generating is usually slower than the forward pass that captures the states.
+            todo = sum(1 for s in self.samples if s.sample_id not in self.cache)
+            self._regen_bar = progress(total=todo, unit="sample", desc="regenerate")
+        chunk = sorted(prompts, key=lambda s: s.num_tokens)
+        budget = min(gen.max_new_tokens, self.cfg.data.max_length - chunk[0].num_tokens)
+        started = time.perf_counter()
+        # The trainers may run out of data in the middle of a batch (it decodes for a while, and they get nothing
+        # new until its window is extracted): the cores are weighed again at every decoding step.
+        responses = generate_responses(self.model, self.tokenizer, [s.input_ids for s in chunk], gen, budget,
+                                       on_step=self._weigh_cores)
+        self._generate_seconds += time.perf_counter() - started
+        self._generated_tokens += sum(len(r) for r in responses)
+        self.cache.add({s.sample_id: r for s, r in zip(chunk, responses, strict=True)})
+        self._regen_bar.set_postfix_str(
+            f"{self._generated_tokens / max(self._generate_seconds, 1e-9):,.0f} tok/s generated", refresh=False)
+        self._regen_bar.update(len(chunk))
 
     # -- bookkeeping ----------------------------------------------------------------------------------------
 

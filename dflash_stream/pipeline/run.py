@@ -217,12 +217,16 @@ def _trainer_fields(trainer) -> dict[str, Any]:
 
 
 def _extractor_fields(extractor) -> dict[str, Any]:
-    regenerated = extractor.summary().get("regenerate")  # engine openai: the servers' answers for this shard
+    summary = extractor.summary()
+    regenerated = summary.get("regenerate")  # engine openai: the servers' answers for this shard
     return {
         "extract_seconds": extractor.extract_seconds,
         # Writes held back by the full buffer, and how much of that reached the target's forward loop.
         "backpressure_seconds": extractor.writer.waited_seconds,
         "stall_seconds": extractor.backpressure_seconds,
+        # In-process regeneration (engine hf), and the part of it done ahead while the buffer was full.
+        "generate_seconds": summary.get("generate_seconds", 0.0),
+        "generate_ahead_seconds": summary.get("generate_ahead_seconds", 0.0),
         **({"regenerate": regenerated} if regenerated else {}),
     }
 

@@ -98,7 +98,7 @@ class ServedExtractor(Extractor):
             taken += 1
             served = self._checked(outcome)
             pass_index, sample = served.payload
-            self.backpressure_seconds += self._sink.put(
+            self._to_sink(
                 _Captured(pass_index, [sample], served.states.to(torch.bfloat16).unsqueeze(0), None, served.release))
             self._forwarded_tokens += sample.num_tokens
             self._advance(1)

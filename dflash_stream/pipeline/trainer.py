@@ -157,7 +157,8 @@ class Trainer:
         self._last_checkpoint_step = 0
         self._finished = False
         self.data_wait = DataWait(store, WAIT_POLL_SECONDS)  # its timeout is `train --wait-timeout`
-        # A CPU run's trainers take the extractors' cores once all the data is extracted.
+        # A CPU run's trainers take the extractors' cores once all the data is extracted, and while every extractor
+        # waits for room with nothing else to do.
         self.cores = HostCores(device, peers=self.trainers)
         self._extraction_over = False
         self.stats = StepStats(self.spec.block_size)
@@ -309,7 +310,7 @@ class Trainer:
                 # One step: forward/backward this rank's micro-batches, agree with the other ranks, update.
                 if self.cores.enabled and not self._extraction_over:
                     self._extraction_over = self.store.end_of_data
-                    self.cores.use(self._extraction_over)
+                    self.cores.use(self._extraction_over or self.store.writers_idle())
                 started = time.perf_counter()
                 flags = self._sync(*self._accumulate())
                 if flags["trained"]:

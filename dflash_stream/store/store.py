@@ -38,6 +38,8 @@ DIRS = ("segments", "tmp", "info", "ready", "claimed", "done", ledger.FOLDER, "w
         "budget/waiting", "locks", "quarantine", "redo")
 _ID = re.compile(r"^[A-Za-z0-9_-]+$")
 POLL_SECONDS = (0.02, 0.5)
+IDLE_SUFFIX = ".idle"
+"""writers/<id>.idle: the writer waits for room with nothing else to do."""
 QUARANTINE_SHARE = 0.25
 """Damaged segments are kept for inspection (and counted in the budget) while the quarantine holds less than
 this share of the budget; past it only their records are kept."""
@@ -231,6 +233,18 @@ class Store:
             return False
         # Samples of a damaged segment still to be extracted again are data yet to come.
         return len(self._finished_writers()) >= expected and not self.redo_pending()
+
+    def writers_idle(self) -> bool:
+        """Every expected writer has finished, or says it is idle (`SegmentWriter.idle`: waiting for room with
+        nothing else to do). A CPU run's trainers take the host's cores meanwhile."""
+        try:
+            expected = json.loads((self.path / "writers" / "expected").read_text())
+        except FileNotFoundError:
+            return False
+        names = self._ls("writers")
+        quiet = {n.removesuffix(".finished") for n in names if n.endswith(".finished")}
+        quiet |= {n.removesuffix(IDLE_SUFFIX) for n in names if n.endswith(IDLE_SUFFIX)}
+        return len(quiet) >= expected
 
     def consumers_alive(self) -> bool:
         """Some other live process holds a consumer id of this store (a trainer is running)."""
@@ -537,6 +551,7 @@ class Store:
                 self._mark_published(seg)
         for rel in ("budget/reserved", "budget/waiting"):
             (self.path / rel / writer_id).unlink(missing_ok=True)
+        (self.path / "writers" / f"{writer_id}{IDLE_SUFFIX}").unlink(missing_ok=True)
 
     def _return_claims(self, consumer_id: str, keep: set[str]) -> int:
         returned = 0
@@ -557,6 +572,7 @@ class SegmentWriter:
         """Asked while a write waits for room: True ends the wait with WriterStopped (training is over, nothing
         will free room)."""
         self._pressure = BackpressureLog(log, writer_id)
+        self._idle = False
         store._clean_writer(writer_id)
         (store.path / "writers" / f"{writer_id}.finished").unlink(missing_ok=True)
         # Past every segment this writer published: the live ones' records (info/), then the released ones'
@@ -634,7 +650,20 @@ class SegmentWriter:
 
     def finish(self) -> None:
         self._pressure.flowing(final=True)
+        self.idle(False)
         (self.store.path / "writers" / f"{self.id}.finished").touch()
+
+    def idle(self, idle: bool) -> None:
+        """Say whether this writer has nothing to do but wait for room (writers/<id>.idle, `Store.writers_idle`);
+        only a change touches the disk."""
+        if idle != self._idle:
+            marker = self.store.path / "writers" / f"{self.id}{IDLE_SUFFIX}"
+            with contextlib.suppress(OSError):  # only a hint for the trainers' cores; a full disk may refuse it
+                if idle:
+                    marker.touch()
+                else:
+                    marker.unlink(missing_ok=True)
+                self._idle = idle
 
     # ---- budget --------------------------------------------------------------------------------------------
     def _reserve(self, need: int, block: bool) -> None:
