@@ -52,7 +52,7 @@ def test_kill_9_during_a_background_checkpoint_write_then_resume(tiny_target_dir
     from dflash_stream.pipeline.checkpoint import WRITE_DELAY_ENV
     from dflash_stream.rundir import RunDir
 
-    config = write_run_config(tmp_path, tiny_target_dir, rows=200)
+    config = write_run_config(tmp_path, tiny_target_dir, rows=120)
     output = tmp_path / "out"
     run = RunDir(output)
     half_written = lambda: [p for p in run.checkpoints.glob(".step-*.tmp") if (p / "trainer-0.pt").is_file()]  # noqa: E731
@@ -85,7 +85,7 @@ def _wait_for(condition, timeout: float, what: str) -> None:
 
 
 def test_kill_9_of_the_launcher_alone_then_rerun_at_once(tiny_target_dir, tmp_path):
-    config = write_run_config(tmp_path, tiny_target_dir, rows=240)
+    config = write_run_config(tmp_path, tiny_target_dir, rows=120)
     output = tmp_path / "out"
     first = _accelerate_run(config, tmp_path / "first.log")
     _wait_for(lambda: any(e["event"] == "train" for e in events(output)), 240, "training to start")
@@ -130,7 +130,7 @@ def test_separate_extract_and_train_launches_share_a_store_through_kills_and_dam
 
     from dflash_stream.pipeline.audit import audit_run
 
-    config = write_run_config(tmp_path, tiny_target_dir, rows=160)
+    config = write_run_config(tmp_path, tiny_target_dir, rows=100)
     output, store = tmp_path / "out", tmp_path / "out" / "store"
     extract = _launch(config, tmp_path / "extract.log", "dflash_stream", "extract")
     _wait_for(lambda: (store / "store.json").exists(), 120, "the store")

@@ -119,7 +119,7 @@ def _regenerate_process(config: Path) -> subprocess.Popen:
 
 def test_killed_server_and_killed_phase_lose_nothing_asked(servers, tiny_target_dir, tmp_path):
     alive, server = servers
-    sources = ["sharegpt_chats.jsonl", "openai_messages.jsonl", "alpaca_tasks.json", "prompts_only.jsonl"]
+    sources = ["sharegpt_chats.jsonl", "openai_messages.jsonl", "prompts_only.jsonl"]
     config = write_config(tmp_path, tiny_target_dir, [server.url], sources=sources, concurrency=1,
                           max_new_tokens=64, give_up_s=4)
     output = tmp_path / "out"
