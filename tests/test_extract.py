@@ -185,11 +185,24 @@ def test_regenerated_responses_are_extracted_and_cached(tmp_path, tiny_target_di
         {i: s.input_ids.tolist() for i, s in stored.items()}
 
 
+def _run_until_idle(extractor, store, outcome: list, timeout: float):
+    """The extractor runs in a thread (its result into `outcome`) until its writer says it is idle, it ends, or
+    `timeout` passes; returns the thread and the deadline."""
+    import threading
+    import time
+
+    thread = threading.Thread(target=lambda: outcome.append(extractor.run()), daemon=True)
+    thread.start()
+    deadline = time.monotonic() + timeout
+    while not store.writers_idle() and thread.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return thread, deadline
+
+
 def test_a_blocked_extractor_generates_the_coming_answers_then_says_it_is_idle(tmp_path, tiny_target_dir, tiny):
     """While the full buffer holds the forward loop back, in-process regeneration goes on: the answers of the rest
     of the shard are generated meanwhile (regeneration runs beside training instead of after it), then the writer
     says it is idle (its cores go to the trainers). Once room comes every sample is stored, with those answers."""
-    import threading
     import time
 
     tree = make_cfg(tmp_path, tiny_target_dir, regenerate=True, min_supervised_tokens=2,
@@ -204,11 +217,7 @@ def test_a_blocked_extractor_generates_the_coming_answers_then_says_it_is_idle(t
     store.set_expected_writers(1)
     assert len(list(extractor._windows(extractor.samples))) == 5 and len(extractor.samples) == 15
     outcome: list[object] = []
-    thread = threading.Thread(target=lambda: outcome.append(extractor.run()), daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 120
-    while not store.writers_idle() and thread.is_alive() and time.monotonic() < deadline:
-        time.sleep(0.05)
+    thread, deadline = _run_until_idle(extractor, store, outcome, 120)
     assert store.writers_idle(), "the blocked extractor never said it is idle"
     assert all(s.sample_id in extractor.cache for s in extractor.samples)  # every answer, not only the 1st window
     assert extractor.ahead_seconds > 0 and store.status()["segments"]["ready"] > 0
@@ -230,7 +239,6 @@ def test_an_extractor_whose_forward_is_done_is_idle_while_its_last_segments_wait
                                                                                          tiny):
     """The forward loop ends long before the sink has written its last batches into a full buffer: the writer says
     it is idle meanwhile (its cores go to the trainers), and no longer once it is done."""
-    import threading
     import time
 
     tree = make_cfg(tmp_path, tiny_target_dir)
@@ -242,11 +250,7 @@ def test_an_extractor_whose_forward_is_done_is_idle_while_its_last_segments_wait
     extractor, store = start(tree, tiny)
     store.set_expected_writers(1)
     outcome: list[object] = []
-    thread = threading.Thread(target=lambda: outcome.append(extractor.run()), daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not store.writers_idle() and thread.is_alive() and time.monotonic() < deadline:
-        time.sleep(0.05)
+    thread, deadline = _run_until_idle(extractor, store, outcome, 60)
     assert store.writers_idle() and not store.end_of_data, "the draining extractor never said it is idle"
     stored = []
     while thread.is_alive() and time.monotonic() < deadline:
