@@ -318,6 +318,35 @@ def test_full_store_blocks_with_one_line_then_resumes(tmp_path, caplog):
     assert any("no longer held back: it waited" in r.message for r in caplog.records)
 
 
+def test_a_segment_released_while_the_writer_measures_is_not_taken_for_records(tmp_path):
+    """A trainer deletes the store's segments between the writer's measuring of the store and its look at whether
+    the store is empty: the space it measured was theirs, not records that never leave, so the writer waits a
+    poll and writes rather than refuse the budget as too small (a full suite once hung on this)."""
+    tokens, max_raw = 2000, 2000 * (WIDTH * 2 + 5) + 24
+    probe = open_store(tmp_path / "probe", max_raw=max_raw)
+    base = probe.status()["used_bytes"]
+    size = probe.writer("w").write(make_samples([0], [tokens])).bytes
+    # Two segments fit, not a third.
+    store = open_store(tmp_path / "s", budget=base + SLACK_BLOCKS * probe.block + 2 * size + size // 2, max_raw=max_raw)
+    w, c = store.writer("w"), store.consumer("c")
+    w.write(make_samples([1], [tokens]))
+    w.write(make_samples([3], [tokens]))
+    measure, released = store._usage, []
+
+    def usage_then_release() -> tuple[int, int]:
+        figures = measure()
+        if not released:
+            released.extend([c.claim(timeout=1), c.claim(timeout=1)])
+            c.release(released)
+        return figures
+
+    store._usage = usage_then_release
+    w.write(make_samples([2], [tokens]))
+    assert len(released) == 2 and w.waited_seconds > 0
+    segments = store.status()["segments"]
+    assert (segments["ready"], segments["released"]) == (1, 2)
+
+
 def test_backpressure_logs_state_changes_and_reminders_not_every_wait(monkeypatch):
     """134 waits make one line when the buffer starts holding the writer back, a reminder every
     REMIND_SECONDS, and one line once writes flow freely again (a fake clock drives it)."""

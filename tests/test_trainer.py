@@ -504,17 +504,25 @@ def check_blocked_extractor(tmp_path, target_dir, samples, rule):
     store.set_expected_writers(1)
     writer = store.writer("test-writer")
 
+    failed: list[BaseException] = []
+
     def extract() -> None:
-        for start in range(0, 40, 4):
-            writer.write(samples[start:start + 4])
-        writer.finish()
+        try:
+            for start in range(0, 40, 4):
+                writer.write(samples[start:start + 4])
+            writer.finish()
+        except BaseException as err:  # the trainer would wait for this writer forever: stop it, and say why
+            failed.append(err)
+            os.kill(os.getpid(), signal.SIGTERM)
 
     extractor = threading.Thread(target=extract)
     extractor.start()
     trainer = new_trainer(cfg)
-    assert trainer.run() is True
+    finished = trainer.run()
     trainer.close()
     extractor.join(timeout=60)
+    assert not failed, failed
+    assert finished is True
     assert writer.waited_seconds > 0
     reasons = [e["reason"] for e in read_metrics(cfg.output_dir) if e["event"] == "checkpoint"]
     if rule == "after_checkpoint":

@@ -397,17 +397,21 @@ class Store:
         return total
 
     def _used(self) -> int:
-        """Published segments at their recorded size, plus everything outside segments and partial writes.
-        Segments are listed before the rest is measured, so a segment deleted in between is still counted.
-        info/ and done/ hold only live segments (released ones are folded into the few ledger files), so
-        measuring them all costs the same after any number of segments."""
+        return sum(self._usage())
+
+    def _usage(self) -> tuple[int, int]:
+        """(bytes of published segments at their recorded size, bytes of everything outside segments and partial
+        writes). Segments are listed before the rest is measured, so a segment deleted in between is still
+        counted; whoever asks whether the store holds segments must judge by this listing (the first figure), not
+        by a later one. info/ and done/ hold only live segments (released ones are folded into the few ledger
+        files), so measuring them all costs the same after any number of segments."""
         charged = 0
         for seg in self._ls("segments"):
             info = self._record(seg)
             # A segment dir without its record is a crashed publish being recovered, or one being deleted
             # whose record was folded already: measure it.
             charged += info.bytes if info else bud.du(self.path / "segments" / seg)
-        return charged + bud.du(self.path, frozenset({"segments", "tmp"}))
+        return charged, bud.du(self.path, frozenset({"segments", "tmp"}))
 
     def _has_marker(self, seg: str) -> bool:
         names = self._ls("ready") + self._ls("done") + [n for c in self._ls("claimed") for n in self._ls(f"claimed/{c}")]
@@ -675,7 +679,8 @@ class SegmentWriter:
             with bud.DirLock(st.path / "budget" / "lock"):
                 # Reservations are read before segments and segments before the rest: see `_used`.
                 reserved = st._reserved()
-                used = st._used()
+                in_segments, outside = st._usage()
+                used = in_segments + outside
                 fits_budget = used + reserved + need + slack <= st.budget
                 # The filesystem may be smaller, or fuller, than the budget: leave store.keep_free to the rest.
                 free = diskfull.free_bytes(st.path)
@@ -688,7 +693,9 @@ class SegmentWriter:
                         if not diskfull.is_full(err):
                             raise
                         fits_disk = False
-            empty = reserved == 0 and not st._ls("segments")
+            # Empty by the listing `used` was measured on: a segment a trainer deleted since is counted in `used`
+            # but gone from a new listing, and would pass for records that never leave.
+            empty = reserved == 0 and in_segments == 0
             if not fits_budget and empty and used + need + slack > st.budget:
                 raise BudgetTooSmall(
                     f"store budget {st.budget:,} bytes cannot fit a segment needing {need:,} bytes beside the "
