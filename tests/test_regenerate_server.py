@@ -121,7 +121,7 @@ def test_killed_server_and_killed_phase_lose_nothing_asked(servers, tiny_target_
     alive, server = servers
     sources = ["sharegpt_chats.jsonl", "openai_messages.jsonl", "prompts_only.jsonl"]
     config = write_config(tmp_path, tiny_target_dir, [server.url], sources=sources, concurrency=1,
-                          max_new_tokens=64, give_up_s=4)
+                          max_new_tokens=32, give_up_s=4)
     output = tmp_path / "out"
     # The server dies mid-phase: the phase waits give_up_s for it, then stops and says so.
     proc = _regenerate_process(config)
@@ -140,7 +140,7 @@ def test_killed_server_and_killed_phase_lose_nothing_asked(servers, tiny_target_
         # The phase itself killed with SIGKILL mid-way: what was answered stays. Where answers come from (the
         # endpoints, their concurrency) is not part of what decides them, so the cache carries over.
         config = write_config(tmp_path, tiny_target_dir, [alive.url], sources=sources, concurrency=1,
-                              max_new_tokens=64, give_up_s=4)
+                              max_new_tokens=32, give_up_s=4)
         proc = _regenerate_process(config)
         try:
             _wait_for_lines(output, first + 5, proc)
@@ -149,7 +149,7 @@ def test_killed_server_and_killed_phase_lose_nothing_asked(servers, tiny_target_
             proc.communicate()
         second = len(cache_lines(output))
         config = write_config(tmp_path, tiny_target_dir, [alive.url], sources=sources, concurrency=4,
-                              max_new_tokens=64, give_up_s=4)
+                              max_new_tokens=32, give_up_s=4)
         assert main(["regenerate", "--config", str(config)]) == 0
         summary = regen_summary(output)
         assert summary["asked"] == summary["samples"] - second

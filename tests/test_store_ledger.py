@@ -20,10 +20,11 @@ from dflash_stream.store import FingerprintMismatch, SegmentInfo, Store, lease, 
 from dflash_stream.store import store as store_module
 from dflash_stream.store.budget import du
 
-# Each child a fresh process (no thread or lock of pytest's), forked from a server that imported this module
-# once: a spawned child's imports cost a second or two, and these tests start dozens.
+# Each child a fresh process (no thread or lock of pytest's), forked from a server that imported what this module
+# imports once: a spawned child's imports cost a second or two, and these tests start dozens. Not this module by
+# name: Python 3.11's forkserver ignores the sys.path it is sent, so a test module is not importable there.
 CTX = mp.get_context("forkserver")
-CTX.set_forkserver_preload(["test_store_ledger"])
+CTX.set_forkserver_preload(["pytest", "torch", "dflash_stream.store"])
 
 
 class Killed(BaseException):
@@ -225,7 +226,7 @@ def release_forever(path: str) -> None:
 def test_kill_9_of_a_consumer_mid_release_again_and_again(tmp_path):
     path = tmp_path / "s"
     store = open_store(path)
-    written = fill(store, 400)
+    written = fill(store, 200)
     store.writer("w").finish()
     store.set_expected_writers(1)
     rng = random.Random(0)
@@ -235,7 +236,7 @@ def test_kill_9_of_a_consumer_mid_release_again_and_again(tmp_path):
         proc.start()
         deadline = time.monotonic() + 60
         # Wait until it releases, then kill it at a random instant.
-        while len(os.listdir(path / "info")) > 395 - 30 * kills and time.monotonic() < deadline:
+        while len(os.listdir(path / "info")) > 195 - 15 * kills and time.monotonic() < deadline:
             time.sleep(0.001)
         time.sleep(rng.uniform(0, 0.05))
         os.kill(proc.pid, signal.SIGKILL)
@@ -243,7 +244,7 @@ def test_kill_9_of_a_consumer_mid_release_again_and_again(tmp_path):
         kills += 1
         # Between kills, without recovery: every reader counts each segment once.
         seen = Store.attach(path)
-        assert seen.published() == written and seen.stored_sample_ids() == {0: set(range(800))}
+        assert seen.published() == written and seen.stored_sample_ids() == {0: set(range(400))}
     assert kills >= 5
     open_store(path).recover()
     release_forever(str(path))
@@ -253,7 +254,7 @@ def test_kill_9_of_a_consumer_mid_release_again_and_again(tmp_path):
     lines = ledger_lines(store)
     assert sorted({r["segment_id"] for r in lines}) == [i.segment_id for i in written]
     after = Store.attach(path)
-    assert after.published() == written and after.status()["segments"]["released"] == 400
+    assert after.published() == written and after.status()["segments"]["released"] == 200
 
 
 def test_a_store_whose_segments_were_all_released_still_refuses_another_config(tmp_path):

@@ -17,10 +17,11 @@ from dflash_stream.store import SegmentReader, Store
 from dflash_stream.store.budget import du
 
 pytestmark = pytest.mark.slow
-# Each child a fresh process (no thread or lock of pytest's), forked from a server that imported this module
-# once: a spawned child's imports cost a second or two, and these tests start dozens.
+# Each child a fresh process (no thread or lock of pytest's), forked from a server that imported what this module
+# imports once: a spawned child's imports cost a second or two, and these tests start dozens. Not this module by
+# name: Python 3.11's forkserver ignores the sys.path it is sent, so a test module is not importable there.
 CTX = mp.get_context("forkserver")
-CTX.set_forkserver_preload(["test_store_processes"])
+CTX.set_forkserver_preload(["pytest", "torch", "dflash_stream.store"])
 
 
 def writer_proc(path: str, budget: int, reuse: int, writer_id: str, ids: list[int], seed: int) -> None:
