@@ -52,7 +52,7 @@ def test_kill_9_during_a_background_checkpoint_write_then_resume(tiny_target_dir
     from dflash_stream.pipeline.checkpoint import WRITE_DELAY_ENV
     from dflash_stream.rundir import RunDir
 
-    config = write_run_config(tmp_path, tiny_target_dir, rows=120)
+    config = write_run_config(tmp_path, tiny_target_dir, rows=80)
     output = tmp_path / "out"
     run = RunDir(output)
     half_written = lambda: [p for p in run.checkpoints.glob(".step-*.tmp") if (p / "trainer-0.pt").is_file()]  # noqa: E731
