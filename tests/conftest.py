@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
@@ -69,22 +70,49 @@ def tiny_target_dir(demo_tokenizer_dir, tmp_path_factory) -> Path:
     return out
 
 
-@pytest.fixture(scope="session")
-def servers(tiny_target_dir, tmp_path_factory):
-    """Two `transformers serve` processes on the tiny target (~20 s each to start), for the tests that regenerate
-    through real servers; a test that kills or pauses one brings it back before it ends. One after the other:
-    two starting at once on this machine lose one model process while loading."""
+def _start_transformers_servers(target: Path, logs: Path) -> list:
+    """Two `transformers serve` processes on `target` (~20 s each to start), ready. One after the other: two
+    starting at once on this machine lose one model process while loading."""
     from dflash_stream.regenerate.servers import LocalServer
 
-    logs = tmp_path_factory.mktemp("servers")
-    pair = [LocalServer("transformers", tiny_target_dir, logs / f"server-{i}.log") for i in range(2)]
-    try:
-        for server in pair:
-            server.start().wait_ready(240)
-        yield pair
-    finally:
-        for server in pair:
-            server.stop()
+    pair = [LocalServer("transformers", target, logs / f"server-{i}.log") for i in range(2)]
+    for server in pair:
+        server.start().wait_ready(240)
+    return pair
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _servers_started_early(request, tmp_path_factory):
+    """The servers this pytest run's tests will ask for, started in the background at its first test: their
+    start-up is mostly one process importing on one core, which a test running meanwhile leaves idle. A test
+    that asks for them waits for them there (and gets the start's error, if any); all stop at the end."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    wanted = {name for item in request.session.items for name in item.fixturenames}
+    starts: dict[str, Future] = {}
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="servers") as pool:
+        if "servers" in wanted:
+            starts["servers"] = pool.submit(_start_transformers_servers, request.getfixturevalue("tiny_target_dir"),
+                                            tmp_path_factory.mktemp("servers"))
+        if "vllm_extraction_server" in wanted and VLLM_PYTHON.exists():
+            server = ExtractionServer(request.getfixturevalue("served_target_dir"),
+                                      tmp_path_factory.mktemp("vllm-extraction"))
+            starts["vllm_extraction_server"] = pool.submit(server.start)
+        try:
+            yield starts
+        finally:
+            for name, start in starts.items():
+                if start.exception() is None:  # waits for a start still under way
+                    started = start.result()
+                    for server in started if name == "servers" else [started.server]:
+                        server.stop()
+
+
+@pytest.fixture(scope="session")
+def servers(_servers_started_early):
+    """Two `transformers serve` processes on the tiny target, for the tests that regenerate through real servers;
+    a test that kills or pauses one brings it back before it ends."""
+    return _servers_started_early["servers"].result()
 
 
 VLLM_PYTHON = Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python"
@@ -140,12 +168,8 @@ class ExtractionServer:
 
 
 @pytest.fixture(scope="session")
-def vllm_extraction_server(served_target_dir, tmp_path_factory):
+def vllm_extraction_server(_servers_started_early):
     """One vLLM extraction server per pytest run (minutes to start on this CPU), shared by the tests that ask."""
     if not VLLM_PYTHON.exists():
         pytest.skip(f"no {VLLM_PYTHON.parents[1].name}: `make vllm-env` makes it (`make test` does)")
-    server = ExtractionServer(served_target_dir, tmp_path_factory.mktemp("vllm-extraction"))
-    try:
-        yield server.start()
-    finally:
-        server.server.stop()
+    return _servers_started_early["vllm_extraction_server"].result()
