@@ -1,8 +1,11 @@
 """What every role needs to agree on before touching the store: its fingerprint, its worst-case segment, and the
-order in which an extraction pass (the target's or a kept store's replay) writes the samples."""
+order in which an extraction pass (the target's or a kept store's replay) writes the samples; and how either pass
+stays, after its data, for the work a trainer sends back."""
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -105,3 +108,17 @@ def pass_order(items: list, seed: int, pass_index: int) -> list:
     if pass_index == 0:
         return list(items)
     return [items[i] for i in np.random.default_rng([seed, pass_index]).permutation(len(items))]
+
+
+REDO_POLL_S = 0.2
+"""How often an extraction pass that has finished its data looks for work sent back, and for the end of training:
+the launch's summary waits for this rank to leave, so a long poll costs every launch its length at the end."""
+
+
+def stay_for_redo(store: Any, redo: Callable[[], int], training_over: Callable[[], bool]) -> None:
+    """After an extraction pass's data: run `redo` (extract again what a trainer quarantined or a crash rolled back;
+    the count it did) until the store is drained or `training_over()` (a trainer that stops at train.max_steps
+    leaves segments unconsumed)."""
+    while not (store.drained() or training_over()):
+        if not redo():
+            time.sleep(REDO_POLL_S)

@@ -25,10 +25,7 @@ from dflash_stream.data import PreparedSample, prepare_shard, take_batch
 from dflash_stream.errors import DFlashError
 from dflash_stream.log import get_logger, progress
 from dflash_stream.observe.metrics import MetricsWriter
-from dflash_stream.pipeline.common import (
-    log_store_event,
-    pass_order,
-)
+from dflash_stream.pipeline.common import log_store_event, pass_order, stay_for_redo
 from dflash_stream.pipeline.cores import HostCores
 from dflash_stream.pipeline.packing import SegmentPacker
 from dflash_stream.pipeline.roles import RoleInfo
@@ -278,14 +275,10 @@ class Extractor:
         """After this rank's data: stay to extract again whatever a trainer quarantines or a crash rolls back, until
         the store is drained or `training_over()` (a trainer that stops at train.max_steps leaves segments
         unconsumed)."""
-        said = False
-        while not (self.store.drained() or training_over()):
-            if not said:
-                log.info("all data extracted; staying to extract again any segment a trainer finds damaged or a "
-                         "crash rolls back")
-                said = True
-            if not self.redo_quarantined():
-                time.sleep(1.0)
+        if not (self.store.drained() or training_over()):
+            log.info("all data extracted; staying to extract again any segment a trainer finds damaged or a crash "
+                     "rolls back")
+        stay_for_redo(self.store, self.redo_quarantined, training_over)
 
     def summary(self) -> dict[str, Any]:
         return {

@@ -22,7 +22,7 @@ from dflash_stream.data.report import DataReport
 from dflash_stream.errors import DFlashError
 from dflash_stream.log import get_logger, progress
 from dflash_stream.observe.metrics import MetricsWriter
-from dflash_stream.pipeline.common import log_store_event, pass_order, store_fingerprint
+from dflash_stream.pipeline.common import log_store_event, pass_order, stay_for_redo, store_fingerprint
 from dflash_stream.pipeline.packing import SegmentPacker
 from dflash_stream.pipeline.roles import RoleInfo
 from dflash_stream.store import Sample, SegmentInfo, Store, StoredSample, StoreFull
@@ -143,9 +143,7 @@ class StoreReplay:
     def serve_redo(self, training_over) -> None:
         """After this rank's data: replay again whatever a trainer quarantines or a crash rolls back, until training
         is over."""
-        while not (self.store.drained() or training_over()):
-            if not self.redo_quarantined():
-                time.sleep(1.0)
+        stay_for_redo(self.store, self.redo_quarantined, training_over)
 
     def summary(self) -> dict[str, Any]:
         return {"samples": self.samples_written, "tokens": self.tokens_written,

@@ -136,7 +136,7 @@ def _wait_for_parts(run: RunDir, expected: list[str], started: float, wait_s: fl
             log.info("waiting up to %s for the summary part(s) of %s (an extractor stays until training is over)",
                      fmt_duration(wait_s), ", ".join(missing))
             said = True
-        time.sleep(0.5)
+        time.sleep(0.2)
 
 
 def write_summary(cfg: Config, store, started: float, expected: list[str],
