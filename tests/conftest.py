@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -86,8 +86,6 @@ def _servers_started_early(request, tmp_path_factory):
     """The servers this pytest run's tests will ask for, started in the background at its first test: their
     start-up is mostly one process importing on one core, which a test running meanwhile leaves idle. A test
     that asks for them waits for them there (and gets the start's error, if any); all stop at the end."""
-    from concurrent.futures import ThreadPoolExecutor
-
     wanted = {name for item in request.session.items for name in item.fixturenames}
     starts: dict[str, Future] = {}
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="servers") as pool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from pathlib import Path
 
 import psutil
@@ -15,7 +16,7 @@ from dflash_stream.bench.regenerate import BenchOptions, run_bench, table
 from dflash_stream.bench.synthetic import DEMO_DATA
 from dflash_stream.cli import main
 from dflash_stream.config import config_from_dict
-from dflash_stream.regenerate.servers import VLLM_VENV, vllm_binding
+from dflash_stream.regenerate.servers import VLLM_VENV, LocalServer, vllm_binding
 
 REPO = Path(__file__).resolve().parents[1]
 ENTRY_KEYS = {"tokens_per_s", "seconds", "responses", "agree_with_hf"}
@@ -45,14 +46,25 @@ def check_shape(result: dict, prompts: int, max_new_tokens: int, engines: set[st
 
 
 @pytest.mark.slow
-def test_hf_and_transformers_serve_answer_the_same_prompts(tiny_target_dir, tmp_path, capsys):
+def test_hf_and_transformers_serve_answer_the_same_prompts(tiny_target_dir, tmp_path, capsys, monkeypatch):
     config = tmp_path / "bench.yaml"
     config.write_text(yaml.safe_dump(tiny_config(tiny_target_dir, tmp_path)))
-    running = set(psutil.Process().children(recursive=True))  # the servers other tests share, if any
+    # The servers the bench starts (here, in the main thread: the servers other tests share start meanwhile in
+    # conftest's background thread).
+    started: list[int] = []
+    start = LocalServer.start
+
+    def recorded_start(server: LocalServer, *args, **kwargs) -> LocalServer:
+        start(server, *args, **kwargs)
+        if threading.current_thread() is threading.main_thread():
+            started.append(server.process.pid)
+        return server
+
+    monkeypatch.setattr(LocalServer, "start", recorded_start)
     code = main(["bench", "regenerate", "--config", str(config), "--engines", "hf,transformers", "--prompts", "3",
                  "--max-new-tokens", "6", "--workdir", str(tmp_path / "work"), "--json"])
     assert code == 0
-    assert set(psutil.Process().children(recursive=True)) <= running  # the bench's server is stopped
+    assert started and not any(psutil.pid_exists(pid) for pid in started)  # the bench's server is stopped
     result = json.loads(capsys.readouterr().out)
     check_shape(result, 3, 6, {"hf", "transformers"})
     served = result["engines"]["transformers"]
@@ -104,8 +116,6 @@ def test_vllm_answers_as_hf_does_on_the_demo_target(tmp_path):
 def test_a_running_server_is_measured_as_it_is(tiny_target_dir, tmp_path, capsys):
     """`--endpoint URL` times a server the bench did not start (a user's), the figure plan's
     data.generation.tokens_per_s takes; without local engines (`--engines ''`) nothing else runs."""
-    from dflash_stream.regenerate.servers import LocalServer
-
     config = tmp_path / "bench.yaml"
     config.write_text(yaml.safe_dump(tiny_config(tiny_target_dir, tmp_path)))
     with LocalServer("transformers", tiny_target_dir, tmp_path / "server.log") as server:

@@ -6,13 +6,16 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from dflash_stream.config import Config, dump_config
 from dflash_stream.data.spec import data_spec, data_spec_digest
 from dflash_stream.rundir import RunDir, write_atomic
+
+if TYPE_CHECKING:
+    from dflash_stream.store import Store
 
 
 def save_resolved_config(cfg: Config) -> None:
@@ -115,7 +118,7 @@ REDO_POLL_S = 0.2
 the launch's summary waits for this rank to leave, so a long poll costs every launch its length at the end."""
 
 
-def stay_for_redo(store: Any, redo: Callable[[], int], training_over: Callable[[], bool]) -> None:
+def stay_for_redo(store: Store, redo: Callable[[], int], training_over: Callable[[], bool]) -> None:
     """After an extraction pass's data: run `redo` (extract again what a trainer quarantined or a crash rolled back;
     the count it did) until the store is drained or `training_over()` (a trainer that stops at train.max_steps
     leaves segments unconsumed)."""
