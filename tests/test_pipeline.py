@@ -197,7 +197,7 @@ def test_kill_at_random_moment_then_resume(tiny_target_dir, tmp_path, victim):
     rolled-back uses were all extracted and trained again, and the store stayed within its budget throughout,
     as measured from outside."""
     second, epoch_source = KILL_ROUNDS[victim]
-    config = write_run_config(tmp_path, tiny_target_dir, rows=80, **{"train.epoch_source": epoch_source})
+    config = write_run_config(tmp_path, tiny_target_dir, rows=64, **{"train.epoch_source": epoch_source})
     output = tmp_path / "out"
     journal = output / "ledger" / "released-trainer-0.jsonl"
     rng = random.Random()

@@ -222,7 +222,7 @@ def test_run_with_vllm_extraction_and_regeneration_killed_and_resumed(vllm_extra
     from dflash_stream.observe.status import collect_status, render_status
 
     server = vllm_extraction_server
-    config = served_run_config(tmp_path, server, rows=60, **{
+    config = served_run_config(tmp_path, server, rows=40, **{
         "data.regenerate": True, "data.min_supervised_tokens": 4,
         "data.generation": {"engine": "openai", "endpoints": [server.url], "max_new_tokens": 16, "concurrency": 4},
         "eval": {"prompts": str(DEMO / "heldout_prompts.jsonl"), "num_prompts": 2, "max_new_tokens": 8}})
