@@ -316,6 +316,37 @@ def test_chunked_head_loss_equals_unchunked_in_float32(rows, chunk_rows):
         assert float((got_grad - ref_grad).abs().max()) <= 1e-5 * float(ref_grad.abs().max())
 
 
+def test_one_chunk_of_cross_entropy_computes_the_head_once(monkeypatch):
+    """All rows in one chunk, cross-entropy alone: backward takes the softmax forward made (one head matmul for
+    both passes, the same gradient); more chunks recompute theirs (the working set stays one chunk). A second
+    backward through a retained graph recomputes it too."""
+    from dflash_stream.drafter import loss
+
+    calls = []
+    real = loss._chunk_logits
+
+    def counted(hidden, weight):
+        calls.append(len(hidden))
+        return real(hidden, weight)
+
+    monkeypatch.setattr(loss, "_chunk_logits", counted)
+    g = torch.Generator().manual_seed(3)
+    weight, base = torch.randn(300, 16, generator=g), torch.randn(40, 16, generator=g)
+    target, w = torch.randint(0, 300, (40,), generator=g), torch.rand(40, generator=g)
+    grads = {}
+    for chunk in (40, 16):
+        calls.clear()
+        hidden = base.clone().requires_grad_(True)
+        total, _ = loss.head_cross_entropy(hidden, weight, target, w, chunk)
+        total.backward(retain_graph=True)
+        grads[chunk] = hidden.grad.clone()
+        assert calls == ([40] if chunk == 40 else [16, 16, 8, 16, 16, 8])
+        hidden.grad = None
+        total.backward()  # the kept softmax became the first gradient: this one recomputes
+        assert float((hidden.grad - grads[chunk]).abs().max()) <= 1e-6 * float(grads[chunk].abs().max())
+    assert float((grads[40] - grads[16]).abs().max()) <= 1e-6 * float(grads[16].abs().max())
+
+
 def test_chunked_head_loss_keeps_the_heads_dtype():
     """A bf16 head computes its chunks in bf16, forward and backward, and hands back a gradient in the rows'
     own dtype; the frozen head gets none."""

@@ -3,6 +3,7 @@ across restarts, out-of-memory retries and regeneration; NaN refused; the `extra
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 from collections import Counter
@@ -199,6 +200,37 @@ def _run_until_idle(extractor, store, outcome: list, timeout: float):
     return thread, deadline
 
 
+def test_in_process_regeneration_starts_small_so_the_first_segment_comes_early(tmp_path, tiny_target_dir, tiny):
+    """The trainers wait for the first window's answers: a launch's first windows hold 1/8, 1/4 and 1/2 of
+    data.generation.batch_size prompts, and are generated in batches that small; then whole batches (each window
+    also at least the bytes of WINDOW_SEGMENTS segments)."""
+    tree = make_cfg(tmp_path, tiny_target_dir, regenerate=True, min_supervised_tokens=2,
+                    generation={"max_new_tokens": 6, "batch_size": 8})
+    tree["data"]["sources"] = [{"path": str(DEMO / "prompts_only.jsonl"), "limit": 40}]
+    tree["store"]["segment_bytes"] = 12_000  # 4 segments are a few prompts: the batch size sets the windows
+    extractor, store = start(tree, tiny)
+    samples = len(extractor.samples)
+    sizes = [len(w) for w in extractor._windows(extractor.samples)]
+    assert sizes[:3] == [1, 2, 4] and set(sizes[3:-1]) == {8} and 0 < sizes[-1] <= 8 and sum(sizes) == samples > 30
+
+    model, _ = tiny
+    batches: list[int] = []
+    real_generate = model.generate
+
+    def recorded(*args, **kwargs):
+        batches.append(kwargs["input_ids"].shape[0])
+        return real_generate(*args, **kwargs)
+
+    extractor, store = start(tree, tiny, store)  # a fresh launch: the ramp is per launch
+    model.generate = recorded
+    try:
+        assert extractor.run() is True
+    finally:
+        model.generate = real_generate
+    assert batches[:4] == [1, 2, 4, 8] and sum(batches) == samples
+    assert sorted(s.sample_id for _, s in drain(store)) == sorted(s.sample_id for s in extractor.samples)
+
+
 def test_a_blocked_extractor_generates_the_coming_answers_then_says_it_is_idle(tmp_path, tiny_target_dir, tiny):
     """While the full buffer holds the forward loop back, in-process regeneration goes on: the answers of the rest
     of the shard are generated meanwhile (regeneration runs beside training instead of after it), then the writer
@@ -215,7 +247,8 @@ def test_a_blocked_extractor_generates_the_coming_answers_then_says_it_is_idle(t
     tree["extract"].update(batch_tokens=64, queue_size=1)
     extractor, store = start(tree, tiny)
     store.set_expected_writers(1)
-    assert len(list(extractor._windows(extractor.samples))) == 5 and len(extractor.samples) == 15
+    # Windows of 3 samples after the launch's first three (1 sample each: see RAMP_WINDOWS).
+    assert [len(w) for w in extractor._windows(extractor.samples)] == [1, 1, 1, 3, 3, 3, 3]
     outcome: list[object] = []
     thread, deadline = _run_until_idle(extractor, store, outcome, 120)
     assert store.writers_idle(), "the blocked extractor never said it is idle"
@@ -314,10 +347,11 @@ def test_progress_reaches_100_percent_when_regeneration_drops_samples(tmp_path, 
     from dflash_stream.pipeline import extractor as extractor_module
 
     real = extractor_module.generate_responses
+    answered = itertools.count()
 
     def every_third_short(model, tokenizer, prompts, gen, budget, **hooks):
         responses = real(model, tokenizer, prompts, gen, budget, **hooks)
-        return [r[:1] if i % 3 == 0 else r for i, r in enumerate(responses)]
+        return [r[:1] if next(answered) % 3 == 0 else r for r in responses]
 
     monkeypatch.setattr(extractor_module, "generate_responses", every_third_short)
     tree = make_cfg(tmp_path, tiny_target_dir, regenerate=True, min_supervised_tokens=4,

@@ -418,3 +418,26 @@ def test_extractor_memory_has_no_regeneration_with_engine_openai(tmp_path: Path)
     # The vLLM variant of the headline config: no regeneration parts in the plan's memory either.
     plan = build_plan(load_config(ROOT / "configs" / "qwen3.6-27b-4gpu-vllm.yaml"), processes=4)
     assert not any(k.startswith("regeneration") for k in plan["memory"]["extractor"]["parts"])
+
+
+def test_training_rate_counts_the_lm_heads_logits_again_where_backward_recomputes_them(tmp_path: Path):
+    """The head costs forward + the input's gradient (4·V·D per block token) where a micro-batch's rows fit one
+    chunk of train.loss_chunk_rows (the loss keeps that chunk's softmax) or the head is unchunked, and 6·V·D
+    where backward computes each chunk's logits again; the drafter's layers cost the same either way."""
+    from dflash_stream.sizing.memory import drafter_dims
+    from dflash_stream.sizing.work import estimated_rates
+
+    shape = _family_shape("qwen3", num_hidden_layers=8, hidden_size=512, intermediate_size=1024,
+                          num_attention_heads=8, num_key_value_heads=2, head_dim=64, vocab_size=50_000)
+    mean, layers = 1000, [1, 3, 5]
+    # 2 sequences x 64 anchors x 7 slots = 896 supervised rows per micro-batch at most.
+    train = {"batch_tokens": 2000, "num_anchors": 64}
+    rates = {rows: estimated_rates(load_config(_config(tmp_path, train={**train, "loss_chunk_rows": rows},
+                                                       drafter={"block_size": 8})), shape, layers, mean)["train_tok_s"]
+             for rows in (None, 896, 895)}
+    assert rates[None] == rates[896] > rates[895]
+    cfg = load_config(_config(tmp_path, train=train, drafter={"block_size": 8}))
+    d, vocab = 512, 50_000
+    recomputed = 1 / rates[895] - 1 / rates[896]  # seconds per sample token of the logits made again
+    assert recomputed == pytest.approx(64 * 8 * 2 * vocab * d / mean / 4.0e14, rel=1e-9)
+    assert drafter_dims(cfg, target_dims(shape), len(layers)).hidden_size == d

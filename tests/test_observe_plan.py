@@ -319,9 +319,10 @@ def test_plan_counts_the_checkpoints_the_release_rule_forces(tmp_path) -> None:
 
 def test_plan_shows_both_release_rules_and_the_headline_checkpoints_on_the_users_clock() -> None:
     """Issue 34: configs/qwen3.6-27b-4gpu-vllm.yaml (training the slower side) releases on use and checkpoints
-    every 30 minutes: ~300 checkpoints, ~6 TB, under 0.5 % of training stopped, an order of magnitude below what
-    after_checkpoint's buffer forces (3,329, 3.0 %); one crash costs at most the interval (its write included)
-    plus re-extracting what was released in it, under an hour; plan names the rule, says why, and shows both."""
+    every 30 minutes: ~360 checkpoints, ~7 TB, under 0.5 % of training stopped, about an order of magnitude below
+    what after_checkpoint's buffer forces (3,329, 2.6 %; 3.0 % before the training estimate counted the LM head's
+    logits computed again in backward); one crash costs at most the interval (its write included) plus
+    re-extracting what was released in it, under an hour; plan names the rule, says why, and shows both."""
     from dflash_stream.observe.plan import render_plan
 
     cfg = load_config(Path(__file__).parents[1] / "configs" / "qwen3.6-27b-4gpu-vllm.yaml")
@@ -330,9 +331,9 @@ def test_plan_shows_both_release_rules_and_the_headline_checkpoints_on_the_users
     on_use, after = c["rules"]["on_use"], c["rules"]["after_checkpoint"]
     assert c["rule"] == cfg.train.release == "on_use" and c["count"] == on_use["count"]
     assert on_use["every_seconds"] == cfg.train.checkpoint_every_s == 1800
-    assert 280 <= on_use["count"] <= 320 and 5e12 < on_use["bytes_written"] < 7e12
+    assert 330 <= on_use["count"] <= 390 and 6e12 < on_use["bytes_written"] < 8e12
     assert on_use["stall_fraction"] < 0.005 and after["stall_fraction"] > 0.025 and after["count"] > 3000
-    assert after["bytes_written"] > 10 * on_use["bytes_written"] and after["count"] > 10 * on_use["count"]
+    assert after["bytes_written"] > 9 * on_use["bytes_written"] and after["count"] > 9 * on_use["count"]
     assert on_use["training_lost_seconds"] == pytest.approx(1800 + c["write_seconds"])
     assert 0 < on_use["reextract_seconds"] < on_use["training_lost_seconds"] and after["reextract_seconds"] == 0
     assert on_use["crash_seconds"] == pytest.approx(on_use["training_lost_seconds"] + on_use["reextract_seconds"])
@@ -342,11 +343,11 @@ def test_plan_shows_both_release_rules_and_the_headline_checkpoints_on_the_users
     uses = train["tok_s_per_process"] * train["processes"] * on_use["training_lost_seconds"]
     buffered = int(cfg.store.budget) / plan["volume"]["stored_bytes_per_token"]
     assert on_use["reextract_tokens"] == pytest.approx(uses / 6 + buffered)
-    assert "10.8x fewer bytes" in c["why"]
+    assert "9.2x fewer bytes" in c["why"]
     page = render_plan(plan)
     assert "release  train.release: on_use" in page
-    assert re.search(r"-> on_use +309 +5\.8 TiB +0\.29% +30m 00s", page), page
-    assert re.search(r" after_checkpoint +3,329 +62\.9 TiB +3\.02% +2m 47s", page), page
+    assert re.search(r"-> on_use +362 +6\.8 TiB +0\.29% +30m 00s", page), page
+    assert re.search(r" after_checkpoint +3,329 +62\.9 TiB +2\.59% +3m 15s", page), page
     assert not any("one crash may cost" in w for w in plan["warnings"])
     # A crash costing more than an hour warns, naming the knobs.
     slow = load_config(Path(__file__).parents[1] / "configs" / "qwen3.6-27b-4gpu-vllm.yaml",
@@ -527,16 +528,18 @@ def test_plan_checkpoints_follow_the_overlapped_extraction_side(tmp_path: Path) 
 
 def test_plan_hf_regeneration_figures_are_unchanged() -> None:
     """Engine hf (the headline config) keeps the figures it had before engine openai came: regeneration on the
-    extractors, added to their extraction."""
+    extractors, added to their extraction (934,449 s). Training, since its estimate counts the LM head's logits
+    computed again in backward, is the slower side: it sets the total and after_checkpoint's pace."""
     plan = build_plan(load_config(Path(__file__).parents[1] / "configs" / "qwen3.6-27b-4gpu.yaml"),
                       samples=914_000, processes=4)
     t = plan["time"]
     assert t["regenerate"]["engine"] == "hf"
     assert t["regenerate"]["seconds_per_sample"] == pytest.approx(1.86278371328, rel=1e-9)
     assert t["regenerate_seconds"] == pytest.approx(851292.15696896, rel=1e-9)
-    assert t["total_seconds"] == pytest.approx(934448.604425216, rel=1e-9)
     assert t["extract_side_seconds"] == pytest.approx(t["regenerate_seconds"] + t["phases"]["extract"]["seconds"])
-    assert t["checkpoints"]["rules"]["after_checkpoint"]["every_seconds"] == pytest.approx(1123.1024647124304, rel=1e-9)
+    assert t["extract_side_seconds"] == pytest.approx(934448.604425216, rel=1e-9)
+    assert t["total_seconds"] == t["phases"]["train"]["seconds"] == pytest.approx(975450.289471488, rel=1e-9)
+    assert t["checkpoints"]["rules"]["after_checkpoint"]["every_seconds"] == pytest.approx(293.0954733951762, rel=1e-9)
     assert plan["roles"]["trainers"] == 2 and t["gpus"] == {"launch": 4, "extraction_servers": 0,
                                                                  "regeneration_servers": 0, "serving": 0, "total": 4}
 

@@ -53,11 +53,17 @@ def estimated_rates(cfg: Config, shape: TargetShape, layer_ids: list[int], mean_
     extract_per_token = 2 * dims.active_layer_parameters * (deepest + 1)
     drafter = drafter_dims(cfg, dims, len(layer_ids))
     d, vocab = drafter.hidden_size, dims.vocab_size
-    # Per block token: drafter layers forward+backward (6·P) and the frozen LM head (forward + input grad, 4·V·D);
-    # a KL loss runs the head on the verifier's state too, in forward and again in backward (4·V·D).
-    teacher = 4 * vocab * d if cfg.train.loss != "ce" else 0
-    per_block_token = 6 * (drafter.linear_parameters - drafter.context_layers * d * d) + 4 * vocab * d + teacher
     blocks = min(cfg.train.num_anchors, mean_tokens)
+    # Per block token: drafter layers forward+backward (6·P) and the frozen LM head: forward and the input's
+    # gradient (4·V·D), and its logits once more in backward (2·V·D) unless a micro-batch's rows fit one chunk
+    # of train.loss_chunk_rows and the loss is cross-entropy alone (`drafter/loss.py` then keeps the softmax).
+    # A KL loss runs the head on the verifier's state too, in forward and again in backward (4·V·D).
+    rows = max(1.0, cfg.train.batch_tokens / mean_tokens) * blocks * (cfg.drafter.block_size - 1)
+    chunk_rows = cfg.train.loss_chunk_rows
+    recomputed = cfg.train.loss != "ce" or (chunk_rows is not None and rows > chunk_rows)
+    head = (6 if recomputed else 4) * vocab * d
+    teacher = 4 * vocab * d if cfg.train.loss != "ce" else 0
+    per_block_token = 6 * (drafter.linear_parameters - drafter.context_layers * d * d) + head + teacher
     per_sample = blocks * cfg.drafter.block_size * per_block_token + 6 * len(layer_ids) * shape.hidden_size * d * mean_tokens
     note = f"estimated: FLOP count at an assumed {flops / 1e12:g} TFLOP/s effective per {kind.upper()} process"
     return {
