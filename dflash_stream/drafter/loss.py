@@ -240,8 +240,8 @@ class _ChunkedHeadLoss(torch.autograd.Function):
 
     Forward keeps only each row's log-sum-exp; backward recomputes a chunk's logits (and the teacher's) to get its
     gradient. Where all rows are one chunk and the loss is cross-entropy alone, forward keeps that chunk's softmax
-    instead: the buffer backward would make again (the peak is the same) and one head matmul less, which is a
-    sixth of a CPU demo step. The head is frozen, so only the hidden rows get a gradient.
+    instead: the buffer backward would make again (the peak is the same) and one head matmul fewer, a third of a
+    CPU demo step. The head is frozen, so only the hidden rows get a gradient.
     """
 
     @staticmethod
