@@ -200,7 +200,7 @@ def _run_until_idle(extractor, store, outcome: list, timeout: float):
     return thread, deadline
 
 
-def test_in_process_regeneration_starts_small_so_the_first_segment_comes_early(tmp_path, tiny_target_dir, tiny):
+def test_in_process_regeneration_ramps_up_to_the_generation_batch(tmp_path, tiny_target_dir, tiny):
     """The trainers wait for the first window's answers: a launch's first windows hold 1/8, 1/4 and 1/2 of
     data.generation.batch_size prompts, and are generated in batches that small; then whole batches (each window
     also at least the bytes of WINDOW_SEGMENTS segments)."""
