@@ -125,3 +125,20 @@ def test_a_gguf_config_is_parsed_once_per_process_and_each_caller_gets_its_own(d
     monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", parse_again)
     again = load_target_config(target)
     assert again.num_hidden_layers == 30 and again.hidden_size == 576
+
+    # Loading the weights takes that config too, instead of parsing the header a third time (the tokenizer and the
+    # weights each parse it once more inside transformers).
+    from dflash_stream.target_model import loading
+
+    handed: dict = {}
+
+    def weights(location, **kwargs):
+        handed.update(kwargs)
+        raise OSError("weights not loaded in this test")
+
+    monkeypatch.setattr(loading, "load_tokenizer", lambda target: None)
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", weights)
+    with pytest.raises(ConfigError, match="weights not loaded"):
+        loading.load_target(target, torch.device("cpu"))
+    assert handed["config"].hidden_size == 576 and handed["config"].num_hidden_layers == 30
+    assert handed["gguf_file"] == demo_model[1]

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from dflash_stream.config import ConfigError, TargetConfig
 from dflash_stream.log import get_logger
-from dflash_stream.target_model.location import model_location
+from dflash_stream.target_model.location import load_target_config, model_location
 from dflash_stream.target_model.shape import LINEAR, TargetShape, model_shape
 
 if TYPE_CHECKING:
@@ -94,8 +94,12 @@ def load_target(target: TargetConfig, device: torch.device) -> tuple[PreTrainedM
 
     tokenizer = load_tokenizer(target)
     location, kwargs = model_location(target)
+    # The config this process already read (a run's ranks read it for the store's layout): a GGUF target's
+    # header is otherwise parsed again for it, ~5 s of the demo's load.
+    config = load_target_config(target)
     try:
-        model = AutoModelForCausalLM.from_pretrained(location, dtype=resolve_dtype(target, device), **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(location, config=config, dtype=resolve_dtype(target, device),
+                                                     **kwargs)
     except OSError as err:
         raise ConfigError(f"target.model: cannot load '{target.model}': {str(err).splitlines()[0]}") from None
     model.to(device).eval().requires_grad_(False)
