@@ -12,10 +12,13 @@ import numpy as np
 
 from dflash_stream.config import Config, dump_config
 from dflash_stream.data.spec import data_spec, data_spec_digest
+from dflash_stream.log import get_logger
 from dflash_stream.rundir import RunDir, write_atomic
 
 if TYPE_CHECKING:
     from dflash_stream.store import Store
+
+log = get_logger(__name__)
 
 
 def save_resolved_config(cfg: Config) -> None:
@@ -118,10 +121,14 @@ REDO_POLL_S = 0.2
 the launch's summary waits for this rank to leave, so a long poll costs every launch its length at the end."""
 
 
-def stay_for_redo(store: Store, redo: Callable[[], int], training_over: Callable[[], bool]) -> None:
+def stay_for_redo(store: Store, redo: Callable[[], int], training_over: Callable[[], bool],
+                  staying: str | None = None) -> None:
     """After an extraction pass's data: run `redo` (extract again what a trainer quarantined or a crash rolled back;
     the count it did) until the store is drained or `training_over()` (a trainer that stops at train.max_steps
-    leaves segments unconsumed)."""
+    leaves segments unconsumed). `staying`: a line to log once, if the pass does stay."""
     while not (store.drained() or training_over()):
+        if staying:
+            log.info("%s", staying)
+            staying = None
         if not redo():
             time.sleep(REDO_POLL_S)

@@ -281,10 +281,9 @@ class Extractor:
         """After this rank's data: stay to extract again whatever a trainer quarantines or a crash rolls back, until
         the store is drained or `training_over()` (a trainer that stops at train.max_steps leaves segments
         unconsumed)."""
-        if not (self.store.drained() or training_over()):
-            log.info("all data extracted; staying to extract again any segment a trainer finds damaged or a crash "
-                     "rolls back")
-        stay_for_redo(self.store, self.redo_quarantined, training_over)
+        stay_for_redo(self.store, self.redo_quarantined, training_over,
+                      staying="all data extracted; staying to extract again any segment a trainer finds damaged or a "
+                              "crash rolls back")
 
     def summary(self) -> dict[str, Any]:
         return {
