@@ -31,4 +31,3 @@ def test_a_role_takes_the_idle_cores_of_its_host_and_gives_them_back():
         assert HostCores(torch.device("cpu")).enabled is False
     finally:
         torch.set_num_threads(before)
-
