@@ -1,10 +1,17 @@
 """The README is the front door and docs/ the manual: the README stays short, every relative link in them resolves
-(the file, and the heading an `#anchor` names), and docs/README.md indexes every page."""
+(the file, and the heading an `#anchor` names), docs/README.md indexes every page, and the headline job's figures
+quoted in them are the ones `plan` prints today."""
 
 from __future__ import annotations
 
 import re
+from functools import cache
 from pathlib import Path
+
+from dflash_stream.config import load_config
+from dflash_stream.observe.plan import build_plan, render_release
+from dflash_stream.sizing.memory import parse_size
+from dflash_stream.units import fmt_bytes, fmt_duration
 
 ROOT = Path(__file__).resolve().parent.parent
 README_MAX_BYTES = 12_000
@@ -81,3 +88,51 @@ def test_a_broken_link_or_anchor_is_caught(tmp_path):
         "`[code](not-a-link.md)`\n\n```\n[fenced](not-a-link.md)\n```\n\n## Here\n")
     found = broken_links([page])
     assert len(found) == 2 and "missing.md" in found[0] and "other.md#nowhere" in found[1], found
+
+
+# The README's headline command: `plan --config configs/qwen3.6-27b-4gpu.yaml --launch launch/4gpu.yaml --gpu-memory
+# 96GB`, and the same launch for the config whose answers come from vLLM servers.
+HEADLINE_CONFIGS = ("qwen3.6-27b-4gpu.yaml", "qwen3.6-27b-4gpu-vllm.yaml")
+
+
+@cache
+def headline_plan(config: str) -> dict:
+    return build_plan(load_config(ROOT / "configs" / config), launch_file=str(ROOT / "launch" / "4gpu.yaml"),
+                      gpu_memory=parse_size("96GB"))
+
+
+def spaced(duration: str) -> str:
+    """The README's spelling of `fmt_duration`'s "11d 6h": "11 d 6 h"."""
+    return re.sub(r"(\d)([dhms])\b", r"\1 \2", duration)
+
+
+def test_the_readmes_headline_figures_are_what_plan_prints():
+    """The README quotes the headline plan by hand; a change to a rate, a size rule or a default must change the
+    quote with it (each figure as plan formats it, in the README's spacing)."""
+    plan, served = headline_plan(HEADLINE_CONFIGS[0]), headline_plan(HEADLINE_CONFIGS[1])
+    mem, roles, t, c = plan["memory"], plan["roles"], plan["time"], plan["time"]["checkpoints"]
+    on_use = c["rules"]["on_use"]
+    quoted = {
+        "memory": f"extractor {fmt_bytes(mem['extractor']['total_bytes'])}, trainer "
+                  f"{fmt_bytes(mem['trainer']['total_bytes'])}, of {fmt_bytes(mem['usable_bytes'])} usable",
+        "split": f"{roles['extractors']} extractors + {roles['trainers']} trainers",
+        "regeneration": f"regeneration {spaced(fmt_duration(t['phases']['data']['seconds']))}",
+        "extraction": f"extraction {spaced(fmt_duration(t['phases']['extract']['seconds']))}",
+        "training": f"training {spaced(fmt_duration(t['phases']['train']['seconds']))}",
+        "total": f"side by side **{spaced(fmt_duration(t['total_seconds']))}**",
+        "total with servers": f"**{spaced(fmt_duration(served['time']['total_seconds']))}** with four vLLM servers",
+        "disk": f"**{plan['disk']['total_bytes'] / 1e9:.1f} GB of",
+        "checkpoints": f"{c['count']} × {fmt_bytes(c['bytes'])}, one every {c['every_seconds'] / 60:.0f} m",
+        "stall": f"{100 * c['stall_fraction']:.2f} % of training stopped",
+        "crash": f"≤ {spaced(fmt_duration(on_use['training_lost_seconds']))} of training + "
+                 f"{spaced(fmt_duration(on_use['reextract_seconds']))} of re-extraction",
+    }
+    readme = (ROOT / "README.md").read_text()
+    stale = {what: figure for what, figure in quoted.items() if figure not in readme}
+    assert not stale, f"README.md's headline table no longer says what plan prints: {stale}"
+
+
+def test_docs_plan_quotes_the_release_section_plan_prints():
+    """docs/plan.md shows `plan`'s release section for the served headline config verbatim."""
+    release = "\n".join(render_release(headline_plan(HEADLINE_CONFIGS[1])["time"]["checkpoints"]))
+    assert release in (ROOT / "docs" / "plan.md").read_text(), f"docs/plan.md: the release section is now\n{release}"
