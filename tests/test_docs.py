@@ -132,7 +132,15 @@ def test_the_readmes_headline_figures_are_what_plan_prints():
     assert not stale, f"README.md's headline table no longer says what plan prints: {stale}"
 
 
-def test_docs_plan_quotes_the_release_section_plan_prints():
-    """docs/plan.md shows `plan`'s release section for the served headline config verbatim."""
+def test_docs_plan_quotes_what_plan_prints():
+    """docs/plan.md shows `plan`'s release section for the served headline config verbatim, and the headline's host
+    memory per role."""
+    page = (ROOT / "docs" / "plan.md").read_text()
     release = "\n".join(render_release(headline_plan(HEADLINE_CONFIGS[1])["time"]["checkpoints"]))
-    assert release in (ROOT / "docs" / "plan.md").read_text(), f"docs/plan.md: the release section is now\n{release}"
+    assert release in page, f"docs/plan.md: the release section is now\n{release}"
+    host = headline_plan(HEADLINE_CONFIGS[0])["host_memory"]
+    trainer = host["trainer"]["parts"]
+    for figure in (f"extractor up to {fmt_bytes(host['extractor']['total_bytes'])}",
+                   f"trainer up to {fmt_bytes(host['trainer']['total_bytes'] - trainer['checkpoint_snapshot'])}",
+                   f"trainer 0 another {fmt_bytes(trainer['checkpoint_snapshot'])}"):
+        assert figure in page, f"docs/plan.md's host memory row: {figure!r} is what plan prints"

@@ -17,6 +17,7 @@ from dflash_stream.cli import main
 from dflash_stream.config import load_config
 from dflash_stream.observe.metrics import TrainingTracker, read_metrics
 from dflash_stream.observe.plan import build_plan
+from dflash_stream.units import fmt_bytes
 
 MIB = 2**20
 
@@ -257,8 +258,12 @@ def test_plan_counts_the_host_memory_of_each_role():
     snapshot = plan["time"]["checkpoints"]["bytes"]
     assert trainer["parts"]["checkpoint_snapshot"] == int(snapshot) > 0
     assert trainer["total_bytes"] == (READER_PREFETCH + 1 + held) * segment + int(snapshot)
-    assert 10 * 2**30 < host["extractor"]["total_bytes"] < 12 * 2**30  # 11.1 GiB, mostly pinned batches
-    assert "host memory per process" in render_plan(plan)
+    assert 10 * 2**30 < host["extractor"]["total_bytes"] < 12 * 2**30  # 11.2 GiB, mostly pinned batches
+    text = render_plan(plan)
+    assert "host memory per process" in text
+    # Only trainer 0 writes the model and optimizer files: the other trainers hold no snapshot.
+    assert re.search(rf"trainer 0 +up to +{re.escape(fmt_bytes(trainer['total_bytes']))} ", text)
+    assert re.search(rf"trainer 1\+ +up to +{re.escape(fmt_bytes(trainer['total_bytes'] - int(snapshot)))} ", text)
 
     smaller = build_plan(load_config("configs/qwen3.6-27b-4gpu.yaml", ["--store.segment_bytes=256MiB",
                                                                        "--extract.queue_size=1"]))["host_memory"]

@@ -63,5 +63,10 @@ def render_host_memory(host: dict[str, Any]) -> list[str]:
     for role in ("extractor", "trainer"):
         r = host[role]
         parts = ", ".join(f"{name.replace('_', ' ')} {fmt_bytes(n)}" for name, n in r["parts"].items())
-        out.append(f"  {role:<10} up to {fmt_bytes(r['total_bytes']):>10}  ({parts})")
+        # Only trainer 0 writes the model and optimizer files, so only it keeps their snapshot.
+        label = "trainer 0" if "checkpoint_snapshot" in r["parts"] else role
+        out.append(f"  {label:<10} up to {fmt_bytes(r['total_bytes']):>10}  ({parts})")
+    if "checkpoint_snapshot" in host["trainer"]["parts"]:
+        others = host["trainer"]["total_bytes"] - host["trainer"]["parts"]["checkpoint_snapshot"]
+        out.append(f"  {'trainer 1+':<10} up to {fmt_bytes(others):>10}  (the same without the snapshot)")
     return out
