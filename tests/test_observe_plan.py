@@ -16,7 +16,7 @@ import yaml
 from dflash_stream.cli import main
 from dflash_stream.config import load_config
 from dflash_stream.observe.metrics import TrainingTracker, read_metrics
-from dflash_stream.observe.plan import build_plan
+from dflash_stream.observe.plan import build_plan, render_plan
 from dflash_stream.units import fmt_bytes
 
 MIB = 2**20
@@ -223,6 +223,43 @@ def test_plan_warns_when_the_reuse_window_is_below_what_bench_quality_found_good
     assert not any("bench quality" in w for w in reshuffled["warnings"])
 
 
+def test_plan_counts_the_host_memory_of_the_busiest_machine(monkeypatch):
+    """Ranks 0..E-1 extract and the rest train; one machine holds its launch's share of them side by side, and only
+    trainer 0 the checkpoint snapshot. Over this machine's RAM, plan warns naming the knobs."""
+    from collections import namedtuple
+
+    from dflash_stream.observe import host_memory as host_module
+
+    def plan_on(launch: str, ram: int, *overrides: str) -> dict:
+        monkeypatch.setattr(host_module.psutil, "virtual_memory", lambda: namedtuple("Memory", "total")(ram))
+        return build_plan(load_config("configs/qwen3.6-27b-4gpu.yaml", list(overrides)),
+                          launch_file=f"launch/{launch}.yaml", gpu_memory=96 * 10**9)
+
+    plan = plan_on("4gpu", 2**40)
+    host = plan["host_memory"]
+    extractor, trainer = host["extractor"]["total_bytes"], host["trainer"]["total_bytes"]
+    snapshot = host["trainer"]["parts"]["checkpoint_snapshot"]
+    assert (plan["roles"]["extractors"], plan["roles"]["trainers"]) == (2, 2)
+    assert host["machine"] == {"extractors": 2, "trainers": 2, "trainer_0": True, "launch_trainers": 2,
+                               "bytes": 2 * extractor + 2 * trainer - snapshot, "this_machine_bytes": 2**40}
+    assert not any(w.startswith("host memory") for w in plan["warnings"])
+
+    # 16 processes on 2 machines: auto takes 8 extractors (the first machine) and 8 trainers (the second).
+    two = plan_on("2node-node0", 2**40)
+    assert (two["roles"]["extractors"], two["roles"]["trainers"]) == (8, 8)
+    assert two["host_memory"]["machine"]["bytes"] == 7 * (trainer - snapshot) + trainer > 8 * extractor
+    assert two["host_memory"]["machine"]["trainer_0"] and two["host_memory"]["machine"]["extractors"] == 0
+    mixed = plan_on("2node-node0", 2**40, "--roles.trainers=12")["host_memory"]  # ranks 4..7 of the first train
+    assert (mixed["machine"]["extractors"], mixed["machine"]["trainers"], mixed["machine"]["trainer_0"]) == (4, 4, True)
+    assert mixed["machine"]["bytes"] == 4 * mixed["extractor"]["total_bytes"] + 4 * mixed["trainer"]["total_bytes"] \
+        - 3 * mixed["trainer"]["parts"]["checkpoint_snapshot"]
+
+    small = plan_on("4gpu", 32 * 2**30)
+    warning = next(w for w in small["warnings"] if w.startswith("host memory"))
+    assert fmt_bytes(small["host_memory"]["machine"]["bytes"]) in warning and "extract.queue_size" in warning
+    assert "machine    up to" in render_plan(small)
+
+
 def test_plan_shows_the_host_memory_a_replay_holds():
     from dflash_stream.config import REPLAY_WINDOW_BYTES, load_config
     from dflash_stream.observe.plan import build_plan, render_plan
@@ -243,7 +280,7 @@ def test_plan_counts_the_host_memory_of_each_role():
     from dflash_stream.observe.plan import build_plan, render_plan
 
     cfg = load_config("configs/qwen3.6-27b-4gpu.yaml")
-    plan = build_plan(cfg)
+    plan = build_plan(cfg, processes=4)
     host, width = plan["host_memory"], 5 * 5120
     segment = int(cfg.store.segment_bytes)
     extractor = host["extractor"]["parts"]

@@ -10,12 +10,17 @@ the CUDA context), counted from the buffers the code keeps at the configured siz
   token batcher. A queued sample's states are a view of its segment's decoded buffer, so one sample keeps its
   whole segment: HOLD_BATCHES + 1 batches' worth of queued tokens, plus one segment per length bucket for a
   sample left behind in a bucket that fills slowly.
+
+Per machine: the processes a launch puts on one machine hold these side by side (the busiest machine is counted,
+against this machine's RAM, as `plan` counts the disk against this machine's).
 """
 
 from __future__ import annotations
 
 import math
 from typing import Any
+
+import psutil
 
 from dflash_stream.config import (
     HOLD_BATCHES,
@@ -57,6 +62,27 @@ def host_memory(cfg: Config, width: int, ratio: float, checkpoint_bytes: float =
     }
 
 
+def busiest_machine(host: dict[str, Any], roles: dict[str, Any], launch: dict[str, Any]) -> dict[str, Any]:
+    """The machine whose processes hold the most of these bytes together. Ranks 0..E-1 extract and E..W-1 train
+    (pipeline/roles.py), machine m runs ranks m*P..(m+1)*P-1, and trainer 0 (rank E) keeps the snapshot; one process
+    that plays both roles holds both."""
+    extractor, trainer = host["extractor"]["total_bytes"], host["trainer"]["total_bytes"]
+    snapshot = host["trainer"]["parts"].get("checkpoint_snapshot", 0)
+    if roles["mode"] == "single":
+        best = {"extractors": 1, "trainers": 1, "trainer_0": True, "bytes": extractor + trainer}
+    else:
+        e, w, p = roles["extractors"], launch["num_processes"], launch["processes_per_machine"]
+        best = {"bytes": -1}
+        for first in range(0, w, p):
+            ranks = range(first, min(first + p, w))
+            n_e = sum(r < e for r in ranks)
+            n_t = len(ranks) - n_e
+            held = n_e * extractor + n_t * (trainer - snapshot) + (snapshot if e in ranks else 0)
+            if held > best["bytes"]:
+                best = {"extractors": n_e, "trainers": n_t, "trainer_0": e in ranks, "bytes": held}
+    return {**best, "launch_trainers": roles["trainers"], "this_machine_bytes": psutil.virtual_memory().total}
+
+
 def render_host_memory(host: dict[str, Any]) -> list[str]:
     out = [f"host memory per process  (hidden states held in RAM, beside the process's own runtime; lower it "
            f"with {host['knobs']})"]
@@ -66,7 +92,13 @@ def render_host_memory(host: dict[str, Any]) -> list[str]:
         # Only trainer 0 writes the model and optimizer files, so only it keeps their snapshot.
         label = "trainer 0" if "checkpoint_snapshot" in r["parts"] else role
         out.append(f"  {label:<10} up to {fmt_bytes(r['total_bytes']):>10}  ({parts})")
-    if "checkpoint_snapshot" in host["trainer"]["parts"]:
+    m = host.get("machine")
+    if "checkpoint_snapshot" in host["trainer"]["parts"] and (m is None or m["launch_trainers"] > 1):
         others = host["trainer"]["total_bytes"] - host["trainer"]["parts"]["checkpoint_snapshot"]
         out.append(f"  {'trainer 1+':<10} up to {fmt_bytes(others):>10}  (the same without the snapshot)")
+    if m:
+        who = f"{m['extractors']} extractor(s) + {m['trainers']} trainer(s)" + (", trainer 0 among them"
+                                                                               if m["trainer_0"] else "")
+        out.append(f"  {'machine':<10} up to {fmt_bytes(m['bytes']):>10}  (the busiest: {who}; this machine has "
+                   f"{fmt_bytes(m['this_machine_bytes'])} of RAM)")
     return out

@@ -88,7 +88,7 @@ def build_plan(cfg: Config, samples: int | None = None, mean_tokens: float | Non
                processes: int | None = None, launch_file: str | None = None,
                gpu_memory: int | None = None) -> dict[str, Any]:
     """The whole plan as plain data (what `plan --json` prints)."""
-    from dflash_stream.observe.host_memory import host_memory
+    from dflash_stream.observe.host_memory import busiest_machine, host_memory
     from dflash_stream.observe.store_cores import store_cores
     from dflash_stream.store import codecs, sizes
     from dflash_stream.target_model import resolve_layer_ids, stored_layer_ids
@@ -205,6 +205,12 @@ def build_plan(cfg: Config, samples: int | None = None, mean_tokens: float | Non
     warnings += [f"the {role} does not fit its device ({fmt_bytes(memory[role]['total_bytes'])} of "
                  f"{fmt_bytes(memory['usable_bytes'])} usable): {memory[role]['knob']}"
                  for role in ("extractor", "trainer") if not memory[role]["fits"]]
+    host = host_memory(cfg, width, ratio, time_plan["checkpoints"]["bytes"], n_samples)
+    host["machine"] = machine = busiest_machine(host, roles, launch)
+    if machine["bytes"] > machine["this_machine_bytes"]:
+        warnings.append(f"host memory: the busiest machine's processes may hold {fmt_bytes(machine['bytes'])} of "
+                        f"hidden states and checkpoint snapshot beside their runtimes, more than this machine's "
+                        f"{fmt_bytes(machine['this_machine_bytes'])} of RAM; lower it with {host['knobs']}")
     return {
         "target": {"model": cfg.target.model, "source": shape.source, **shape.summary(), "layer_ids": layer_ids,
                    "layer_ids_source": "target.layer_ids" if cfg.target.layer_ids else "DFlash rule",
@@ -218,7 +224,7 @@ def build_plan(cfg: Config, samples: int | None = None, mean_tokens: float | Non
         "epochs": _epoch_costs(cfg, time_plan, volume, tokens),
         "store_cores": store_cores(codec, width, time_plan, tune),
         "kernels": kernel_assumptions(shape, device_kind(cfg)),
-        "host_memory": host_memory(cfg, width, ratio, time_plan["checkpoints"]["bytes"], n_samples),
+        "host_memory": host,
         "warnings": warnings,
     }
 
