@@ -142,5 +142,6 @@ def test_docs_plan_quotes_what_plan_prints():
     trainer = host["trainer"]["parts"]
     for figure in (f"extractor up to {fmt_bytes(host['extractor']['total_bytes'])}",
                    f"trainer up to {fmt_bytes(host['trainer']['total_bytes'] - trainer['checkpoint_snapshot'])}",
-                   f"trainer 0 another {fmt_bytes(trainer['checkpoint_snapshot'])}"):
+                   f"trainer 0 another {fmt_bytes(trainer['checkpoint_snapshot'])}",
+                   f"together up to {fmt_bytes(host['machine']['bytes'])}"):
         assert figure in page, f"docs/plan.md's host memory row: {figure!r} is what plan prints"
