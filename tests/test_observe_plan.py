@@ -228,7 +228,7 @@ def test_plan_counts_the_host_memory_of_the_busiest_machine(monkeypatch):
     trainer 0 the checkpoint snapshot. Over this machine's RAM, plan warns naming the knobs."""
     from collections import namedtuple
 
-    from dflash_stream.observe import host_memory as host_module
+    from dflash_stream.sizing import host_memory as host_module
 
     def plan_on(launch: str, ram: int, *overrides: str) -> dict:
         monkeypatch.setattr(host_module.psutil, "virtual_memory", lambda: namedtuple("Memory", "total")(ram))
@@ -258,6 +258,37 @@ def test_plan_counts_the_host_memory_of_the_busiest_machine(monkeypatch):
     warning = next(w for w in small["warnings"] if w.startswith("host memory"))
     assert fmt_bytes(small["host_memory"]["machine"]["bytes"]) in warning and "extract.queue_size" in warning
     assert "machine    up to" in render_plan(small)
+
+
+def test_run_warns_when_a_machines_share_exceeds_its_available_ram(monkeypatch):
+    """`run`'s start check (each machine's first process) counts that machine's own processes, from the same
+    figures as plan's, against the RAM available now."""
+    from collections import namedtuple
+
+    from dflash_stream.sizing import host_memory as host_module
+    from dflash_stream.target_model import target_shape
+
+    cfg = load_config("configs/qwen3.6-27b-4gpu.yaml")
+    host = host_module.run_host_memory(cfg, target_shape(cfg.target))
+    planned = build_plan(cfg, launch_file="launch/4gpu.yaml", gpu_memory=96 * 10**9)["host_memory"]
+    assert host["extractor"]["parts"] == {k: v for k, v in planned["extractor"]["parts"].items() if k != "answers_index"}
+    assert host["trainer"]["parts"]["checkpoint_snapshot"] == pytest.approx(
+        planned["trainer"]["parts"]["checkpoint_snapshot"], rel=1e-3)
+
+    def available(gib: int) -> None:
+        monkeypatch.setattr(host_module.psutil, "virtual_memory",
+                            lambda: namedtuple("Memory", "total available")(2**40, gib * 2**30))
+
+    available(40)  # 2 extractors + 2 trainers (trainer 0 among them) on one machine: 65.7 GiB
+    share = host_module.machine_share(host, 2, 4, 4, 0)
+    warning = host_module.check_machine(host, 2, 4, 4, 0)
+    assert warning and "2 extractor(s) and 2 trainer(s)" in warning and fmt_bytes(share["bytes"]) in warning
+    assert "checkpoint snapshot" in warning and "40.0 GiB is available" in warning and "extract.queue_size" in warning
+    available(100)  # 16 processes on 2 machines, 8 extractors: the first holds 8 extractors, the second the trainers
+    assert host_module.check_machine(host, 8, 16, 8, 0) is None
+    second = host_module.check_machine(host, 8, 16, 8, 1)
+    assert second and "0 extractor(s) and 8 trainer(s)" in second
+    assert host_module.check_machine(host, 0, 1, 1, 0, single=True) is None
 
 
 def test_plan_shows_the_host_memory_a_replay_holds():

@@ -89,7 +89,7 @@ def test_the_cache_holds_an_index_in_memory_not_the_answers(tmp_path):
 
 def test_the_host_memory_plan_counts_the_answers_index():
     from dflash_stream.config import config_from_dict
-    from dflash_stream.observe.host_memory import host_memory
+    from dflash_stream.sizing.host_memory import host_memory
 
     cfg = config_from_dict({"output_dir": "out", "target": {"model": "x"}, "store": {"path": "store", "budget": "1GB"},
                             "data": {"sources": [{"path": "x.jsonl"}], "regenerate": True}})

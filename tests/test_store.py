@@ -274,7 +274,7 @@ def test_reader_prefetches_and_ends_at_end_of_data(tmp_path):
 
 
 def test_a_stored_sample_keeps_its_whole_segment_in_memory(tmp_path):
-    """What `plan`'s host memory of a trainer rests on (observe/host_memory.py): the decoded states of a
+    """What `plan`'s host memory of a trainer rests on (sizing/host_memory.py): the decoded states of a
     segment are one buffer, and each sample's states a view of it. If that changes, change the plan too."""
     samples = make_samples([1, 2, 3], [40, 30, 20])
     _, _, got = round_trip(tmp_path, "lossless", samples)

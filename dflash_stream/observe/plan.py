@@ -88,8 +88,8 @@ def build_plan(cfg: Config, samples: int | None = None, mean_tokens: float | Non
                processes: int | None = None, launch_file: str | None = None,
                gpu_memory: int | None = None) -> dict[str, Any]:
     """The whole plan as plain data (what `plan --json` prints)."""
-    from dflash_stream.observe.host_memory import busiest_machine, host_memory
     from dflash_stream.observe.store_cores import store_cores
+    from dflash_stream.sizing.host_memory import busiest_machine, host_memory
     from dflash_stream.store import codecs, sizes
     from dflash_stream.target_model import resolve_layer_ids, stored_layer_ids
 
@@ -400,7 +400,6 @@ def _fmt_share(share: float | None) -> str:
 
 def render_plan(plan: dict[str, Any]) -> str:
     """The plan as a terminal page."""
-    from dflash_stream.observe.host_memory import render_host_memory
     from dflash_stream.observe.store_cores import render_store_cores
 
     t, d, v, b, disk, tp = (plan[k] for k in ("target", "data", "volume", "buffer", "disk", "time"))
@@ -443,7 +442,7 @@ def render_plan(plan: dict[str, Any]) -> str:
         out.append(f"  {disk['offline_note']}")
     out += render_disk(disk)
     out += ["", *render_memory(plan["memory"])]
-    out += ["", *render_host_memory(plan["host_memory"])]
+    out += ["", *_render_host_memory(plan["host_memory"])]
     out += ["", *_render_roles(plan["launch"], plan["roles"])]
     mode = "extractors and trainers side by side" if tp["overlapped"] else "one process alternates"
     out += ["", f"time  ({tp['processes']} process(es), {mode})"]
@@ -494,6 +493,27 @@ def render_plan(plan: dict[str, Any]) -> str:
     out += render_store_cores(plan["store_cores"])
     out += [f"\nwarning: {w}" for w in plan["warnings"]]
     return "\n".join(out)
+
+
+def _render_host_memory(host: dict[str, Any]) -> list[str]:
+    out = [f"host memory per process  (hidden states held in RAM, beside the process's own runtime; lower it "
+           f"with {host['knobs']})"]
+    for role in ("extractor", "trainer"):
+        r = host[role]
+        parts = ", ".join(f"{name.replace('_', ' ')} {fmt_bytes(n)}" for name, n in r["parts"].items())
+        # Only trainer 0 writes the model and optimizer files, so only it keeps their snapshot.
+        label = "trainer 0" if "checkpoint_snapshot" in r["parts"] else role
+        out.append(f"  {label:<10} up to {fmt_bytes(r['total_bytes']):>10}  ({parts})")
+    m = host.get("machine")
+    if "checkpoint_snapshot" in host["trainer"]["parts"] and (m is None or m["launch_trainers"] > 1):
+        others = host["trainer"]["total_bytes"] - host["trainer"]["parts"]["checkpoint_snapshot"]
+        out.append(f"  {'trainer 1+':<10} up to {fmt_bytes(others):>10}  (the same without the snapshot)")
+    if m:
+        who = f"{m['extractors']} extractor(s) + {m['trainers']} trainer(s)" + (", trainer 0 among them"
+                                                                               if m["trainer_0"] else "")
+        out.append(f"  {'machine':<10} up to {fmt_bytes(m['bytes']):>10}  (the busiest: {who}; this machine has "
+                   f"{fmt_bytes(m['this_machine_bytes'])} of RAM)")
+    return out
 
 
 def render_release(c: dict[str, Any]) -> list[str]:
