@@ -31,7 +31,7 @@ from dflash_stream.config import (
     Config,
 )
 from dflash_stream.regenerate.cache import INDEX_BYTES_PER_ANSWER
-from dflash_stream.sizing.disk import checkpoint_bytes
+from dflash_stream.sizing import disk
 from dflash_stream.sizing.memory import drafter_dims, target_dims
 from dflash_stream.store import codecs, sizes
 from dflash_stream.target_model import TargetShape, resolve_layer_ids, stored_layer_ids
@@ -72,7 +72,8 @@ def run_host_memory(cfg: Config, shape: TargetShape) -> dict[str, Any]:
     capture = resolve_layer_ids(shape.num_layers, cfg.target)
     width = len(stored_layer_ids(shape.num_layers, cfg.target, cfg.verifier_states)) * shape.hidden_size
     params = drafter_dims(cfg, target_dims(shape), len(capture)).num_parameters
-    return host_memory(cfg, width, codecs.get(cfg.store.codec).design_ratio, checkpoint_bytes(cfg, params))
+    return host_memory(cfg, width, codecs.get(cfg.store.codec).design_ratio,
+                       disk.checkpoint_bytes(cfg, params))
 
 
 def machine_share(host: dict[str, Any], extractors: int, world: int, per_machine: int, machine: int,
