@@ -115,6 +115,7 @@ def test_the_readmes_headline_figures_are_what_plan_prints():
     quoted = {
         "memory": f"extractor {fmt_bytes(mem['extractor']['total_bytes'])}, trainer "
                   f"{fmt_bytes(mem['trainer']['total_bytes'])}, of {fmt_bytes(mem['usable_bytes'])} usable",
+        "host": f"host RAM up to {fmt_bytes(plan['host_memory']['machine']['bytes'])} for the four processes'",
         "split": f"{roles['extractors']} extractors + {roles['trainers']} trainers",
         "regeneration": f"regeneration {spaced(fmt_duration(t['phases']['data']['seconds']))}",
         "extraction": f"extraction {spaced(fmt_duration(t['phases']['extract']['seconds']))}",
