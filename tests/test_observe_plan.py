@@ -261,8 +261,8 @@ def test_plan_counts_the_host_memory_of_the_busiest_machine(monkeypatch):
 
 
 def test_run_warns_when_a_machines_share_exceeds_its_available_ram(monkeypatch):
-    """`run`'s start check (each machine's first process) counts that machine's own processes, from the same
-    figures as plan's, against the RAM available now."""
+    """The start check of `run`, `extract` and `train` (each machine's first process) counts the launch's processes
+    on that machine, from the same figures as plan's, against the RAM available now."""
     from collections import namedtuple
 
     from dflash_stream.sizing import host_memory as host_module
@@ -282,7 +282,8 @@ def test_run_warns_when_a_machines_share_exceeds_its_available_ram(monkeypatch):
     available(40)  # 2 extractors + 2 trainers (trainer 0 among them) on one machine: 65.7 GiB
     share = host_module.machine_share(host, 2, 4, 4, 0)
     warning = host_module.check_machine(host, 2, 4, 4, 0)
-    assert warning and "2 extractor(s) and 2 trainer(s)" in warning and fmt_bytes(share["bytes"]) in warning
+    assert warning and "2 extractor(s) and 2 trainer(s) of this launch on this machine" in warning
+    assert fmt_bytes(share["bytes"]) in warning
     assert "checkpoint snapshot" in warning and "40.0 GiB is available" in warning and "extract.queue_size" in warning
     available(100)  # 16 processes on 2 machines, 8 extractors: the first holds 8 extractors, the second the trainers
     assert host_module.check_machine(host, 8, 16, 8, 0) is None

@@ -4,6 +4,7 @@ stays, after its data, for the work a trainer sends back."""
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -26,6 +27,22 @@ def save_resolved_config(cfg: Config) -> None:
     run = RunDir(cfg.output_dir)
     run.root.mkdir(parents=True, exist_ok=True)
     write_atomic(run.config, dump_config(cfg))
+
+
+def check_host_memory(cfg: Config, extractors: int, world: int, rank: int, single: bool = False) -> None:
+    """The first process of each machine warns when the processes of this launch on it may hold more hidden states
+    (and trainer 0's checkpoint snapshot) in RAM than the machine has available (sizing.host_memory). Ranks
+    0..`extractors`-1 of the launch extract and the others train; `single`: one process plays both roles."""
+    if int(os.environ.get("LOCAL_RANK", 0)) != 0:
+        return
+    from dflash_stream.sizing.host_memory import check_machine, run_host_memory
+    from dflash_stream.target_model import target_shape
+
+    host = run_host_memory(cfg, target_shape(cfg.target, download=True, hints=False, count=False))
+    per_machine = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    warning = check_machine(host, extractors, world, per_machine, rank // per_machine, single)
+    if warning:
+        log.warning("host memory: %s", warning)
 
 
 def _source_text(source: dict[str, Any]) -> str:

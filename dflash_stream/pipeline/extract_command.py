@@ -14,7 +14,7 @@ import torch
 from dflash_stream.config import Config, load_config
 from dflash_stream.log import get_logger, setup_logging
 from dflash_stream.observe.metrics import MetricsWriter
-from dflash_stream.pipeline.common import open_store, save_resolved_config, store_layout
+from dflash_stream.pipeline.common import check_host_memory, open_store, save_resolved_config, store_layout
 from dflash_stream.pipeline.extractor import Extractor
 from dflash_stream.pipeline.guard import hold_output, stop_with_launcher
 from dflash_stream.pipeline.replay import StoreReplay
@@ -45,6 +45,7 @@ def extract_command(args: argparse.Namespace) -> int:
     role = assign_uniform("extractor")
     setup_logging("extractor", role.index, show_bar=role.speaks_for_role)
     device = resolve_device(cfg.target)
+    check_host_memory(cfg, role.world_size, role.world_size, role.global_rank)  # every process extracts
     layer_ids, hidden_size = store_layout(cfg)
     if role.index == 0:
         hold_output(cfg, ("extract",))

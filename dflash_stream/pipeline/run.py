@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 import uuid
 from functools import partial
@@ -32,7 +31,7 @@ from dflash_stream.observe.summary import (
     summary_table,
 )
 from dflash_stream.pipeline import checkpoint as ckpt
-from dflash_stream.pipeline.common import open_store, save_resolved_config, store_layout
+from dflash_stream.pipeline.common import check_host_memory, open_store, save_resolved_config, store_layout
 from dflash_stream.pipeline.guard import hold_output, stop_with_launcher
 from dflash_stream.pipeline.roles import RoleInfo, assign_role, init_distributed, resolve_launch
 from dflash_stream.preflight import check_run_paths
@@ -298,7 +297,9 @@ def run_command(args: argparse.Namespace) -> int:
         log.info("roles: %d extractor(s) + %d trainer(s) of %d processes (%s)", role.world_size - cfg.roles.trainers,
                  cfg.roles.trainers, role.world_size, chosen_by or "roles.trainers in the config")
     _check_memory(cfg, role, device)
-    _check_host_memory(cfg, role)
+    single = role.role == "single"
+    check_host_memory(cfg, 0 if single else role.world_size - cfg.roles.trainers, role.world_size,
+                      role.global_rank, single)
     layer_ids, hidden_size = store_layout(cfg)
     output = Path(cfg.output_dir)
     if role.global_rank == 0:
@@ -353,23 +354,6 @@ def _check_memory(cfg: Config, role: RoleInfo, device: torch.device) -> None:
     warning = startup_check(cfg, role.role, int(cfg.roles.device_memory or total))
     if warning:
         log.warning("GPU memory: %s", warning)
-
-
-def _check_host_memory(cfg: Config, role: RoleInfo) -> None:
-    """The first process of each machine warns when the machine's processes may hold more hidden states (and trainer
-    0's checkpoint snapshot) in RAM than it has available (sizing.host_memory)."""
-    if int(os.environ.get("LOCAL_RANK", 0)) != 0:
-        return
-    from dflash_stream.sizing.host_memory import check_machine, run_host_memory
-    from dflash_stream.target_model import target_shape
-
-    host = run_host_memory(cfg, target_shape(cfg.target, download=True, hints=False, count=False))
-    per_machine = int(os.environ.get("LOCAL_WORLD_SIZE", role.world_size))
-    single = role.role == "single"
-    warning = check_machine(host, 0 if single else role.world_size - cfg.roles.trainers, role.world_size,
-                            per_machine, role.global_rank // per_machine, single)
-    if warning:
-        log.warning("host memory: %s", warning)
 
 
 def _device(cfg: Config) -> torch.device:

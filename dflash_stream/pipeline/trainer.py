@@ -645,7 +645,12 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def train_command(args: argparse.Namespace) -> int:
     from dflash_stream.log import setup_logging
-    from dflash_stream.pipeline.common import open_store, save_resolved_config, store_layout
+    from dflash_stream.pipeline.common import (
+        check_host_memory,
+        open_store,
+        save_resolved_config,
+        store_layout,
+    )
     from dflash_stream.pipeline.guard import hold_output, stop_with_launcher
     from dflash_stream.pipeline.roles import assign_uniform, init_distributed
     from dflash_stream.preflight import check_run_paths
@@ -657,6 +662,7 @@ def train_command(args: argparse.Namespace) -> int:
     role = assign_uniform("trainer")
     setup_logging("trainer", role.index, show_bar=role.speaks_for_role)
     device = init_distributed() if cfg.target.device == "auto" else torch.device(cfg.target.device)
+    check_host_memory(cfg, 0, role.world_size, role.global_rank)  # every process trains
     layer_ids, hidden_size = store_layout(cfg)
     if not (Path(cfg.store.path) / "store.json").is_file():
         raise DFlashError(f"no store at {cfg.store.path} yet: start `dflash-stream extract` with this config first "

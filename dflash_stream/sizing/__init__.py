@@ -7,7 +7,7 @@
     work.py     each role's rates, regeneration's cost, the split of a launch (`plan_roles`: roles.trainers auto)
     checkpoints.py  checkpoints (count, bytes, stall) and one crash's cost under each release rule (train.release)
     host_memory.py  host RAM per role and per machine for hidden states and the checkpoint snapshot,
-                `check_machine` (run warns when a machine's share exceeds its available RAM)
+                `check_machine` (run, extract and train warn when a machine's share exceeds its available RAM)
 
 It sits below `observe` and `pipeline`, which both ask here; it renders nothing (`observe/plan.py` does).
 """

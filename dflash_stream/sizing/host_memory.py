@@ -12,8 +12,8 @@ the CUDA context), counted from the buffers the code keeps at the configured siz
   sample left behind in a bucket that fills slowly.
 
 Per machine: the processes a launch puts on one machine hold these side by side. `plan` counts the busiest machine
-against the RAM of the one it runs on (as it counts the disk), and `run` checks each machine's own share against
-its available RAM at start-up (`check_machine`).
+against the RAM of the one it runs on (as it counts the disk), and `run`, `extract` and `train` check each
+machine's own share of their launch against its available RAM at start-up (`check_machine`).
 """
 
 from __future__ import annotations
@@ -109,7 +109,8 @@ def check_machine(host: dict[str, Any], extractors: int, world: int, per_machine
     available = psutil.virtual_memory().available
     if share["bytes"] <= available:
         return None
-    return (f"this machine's {share['extractors']} extractor(s) and {share['trainers']} trainer(s) may hold "
+    return (f"the {share['extractors']} extractor(s) and {share['trainers']} trainer(s) of this launch on this "
+            f"machine may hold "
             f"{fmt_bytes(share['bytes'])} of hidden states" + (" and a checkpoint snapshot" if share["trainer_0"]
                                                               and "checkpoint_snapshot" in host["trainer"]["parts"]
                                                               else "")
