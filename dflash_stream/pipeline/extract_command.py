@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 
 import torch
+import torch.distributed as dist
 
 from dflash_stream.config import Config, load_config
 from dflash_stream.log import get_logger, setup_logging
@@ -68,6 +69,8 @@ def extract_command(args: argparse.Namespace) -> int:
     log.info("extracted %d samples, %d tokens in %.1f s (%.0f tok/s, %.1f s waiting on the store)",
              summary["samples"], summary["tokens"], summary["extract_seconds"], summary["tok_s"],
              summary["backpressure_seconds"])
+    if dist.is_initialized():  # as `train` does: not left to interpreter exit
+        dist.destroy_process_group()
     return 0
 
 
