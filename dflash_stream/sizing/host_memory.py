@@ -103,16 +103,15 @@ def busiest_machine(host: dict[str, Any], roles: dict[str, Any], launch: dict[st
 
 def check_machine(host: dict[str, Any], extractors: int, world: int, per_machine: int, machine: int,
                   single: bool = False) -> str | None:
-    """`run`'s start check on each machine: a warning when its processes may hold more than the RAM available now
-    (an upper bound, beside runtimes it does not count, so a warning rather than a refusal); None otherwise."""
+    """The start check of `run`, `extract` and `train` on each machine: a warning when the launch's processes there
+    may hold more than the RAM available now (an upper bound, beside runtimes it does not count, so a warning
+    rather than a refusal); None otherwise."""
     share = machine_share(host, extractors, world, per_machine, machine, single)
     available = psutil.virtual_memory().available
     if share["bytes"] <= available:
         return None
-    return (f"the {share['extractors']} extractor(s) and {share['trainers']} trainer(s) of this launch on this "
-            f"machine may hold "
-            f"{fmt_bytes(share['bytes'])} of hidden states" + (" and a checkpoint snapshot" if share["trainer_0"]
-                                                              and "checkpoint_snapshot" in host["trainer"]["parts"]
-                                                              else "")
-            + f" in RAM beside their runtimes, and {fmt_bytes(available)} is available; lower it with "
-            f"{host['knobs']}")
+    snapshot = " and a checkpoint snapshot" if share["trainer_0"] and "checkpoint_snapshot" in host["trainer"]["parts"] \
+        else ""
+    return (f"the {share['extractors']} extractor(s) and {share['trainers']} trainer(s) of this launch on this machine "
+            f"may hold {fmt_bytes(share['bytes'])} of hidden states{snapshot} in RAM beside their runtimes, and "
+            f"{fmt_bytes(available)} is available; lower it with {host['knobs']}")
