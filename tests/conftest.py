@@ -132,20 +132,20 @@ class ExtractionServer:
     MAX_LENGTH = 1024
     """The longest data.max_length a test may use with it (its --max-model-len is one more)."""
 
-    def __init__(self, target: Path, workdir: Path) -> None:
+    def __init__(self, target: Path, workdir: Path, dtype: str = "float32", extra_args: tuple[str, ...] = ()) -> None:
         from dflash_stream.config import config_from_dict
         from dflash_stream.regenerate.servers import LocalServer
         from dflash_stream.target_model.vllm_serve import extraction_args, run_layer_ids, server_env
 
         self.target, self.spool = target, workdir / "spool"
         cfg = config_from_dict({
-            "output_dir": str(workdir), "target": {"model": str(target), "dtype": "float32", "num_capture_layers": 3},
+            "output_dir": str(workdir), "target": {"model": str(target), "dtype": dtype, "num_capture_layers": 3},
             "data": {"sources": [{"path": "unused.jsonl"}], "max_length": self.MAX_LENGTH},
             "extract": {"engine": "vllm", "endpoints": ["http://127.0.0.1:1/v1"], "spool": str(self.spool)},
             "store": {"path": str(workdir / "store"), "budget": "1GB"}})
         self.layer_ids = run_layer_ids(cfg)
         self.server = LocalServer("vllm", target, workdir / "vllm.log", python=VLLM_PYTHON, kv_cache_gib=1,
-                                  extra_args=(*extraction_args(cfg, self.layer_ids), "--enforce-eager"))
+                                  extra_args=(*extraction_args(cfg, self.layer_ids), "--enforce-eager", *extra_args))
         # Compute on every core with none kept back, as `bench regenerate` does by default.
         cores = sorted(os.sched_getaffinity(0))
         self.env = {**server_env(), "VLLM_CPU_OMP_THREADS_BIND": f"{cores[0]}-{cores[-1]}",

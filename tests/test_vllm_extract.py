@@ -144,12 +144,38 @@ def _vllm_loads(module: str) -> str | None:
     return None if done.returncode == 0 else done.stderr.strip().splitlines()[-1]
 
 
+def bf16_error(store_path: Path, target: Path, layer_ids: list[int]) -> tuple[dict[str, list[float]], int]:
+    """Per layer, the mean |a - ref| / mean |ref| over every stored sample, ref being the extractor's float32
+    capture of the same token ids: `stored` (the engine's states) and `ours_bf16` (the extractor's own capture with
+    the target in bf16, which sets the bar); and the number of samples compared."""
+    captures = {dtype: LayerCapture(load_target(TargetConfig(model=str(target), dtype=dtype, device="cpu"),
+                                                torch.device("cpu"))[0], layer_ids)
+                for dtype in ("float32", "bfloat16")}
+    consumer = Store.attach(store_path).consumer("compare")
+    error = {"stored": [0.0] * len(layer_ids), "ours_bf16": [0.0] * len(layer_ids)}
+    samples = 0
+    while (claim := consumer.claim(timeout=0)) is not None:
+        for sample in consumer.read(claim):
+            ids = sample.input_ids[None]
+            ref, ours = (captures[d](ids, torch.ones_like(ids))[0].float().view(len(ids[0]), len(layer_ids), -1)
+                         for d in ("float32", "bfloat16"))
+            for name, states in (("stored", sample.hidden_states.float().view(ref.shape)), ("ours_bf16", ours)):
+                for k in range(len(layer_ids)):
+                    error[name][k] += ((states[:, k] - ref[:, k]).abs().mean() / ref[:, k].abs().mean()).item()
+            samples += 1
+    return {name: [e / max(samples, 1) for e in errors] for name, errors in error.items()}, samples
+
+
 @pytest.mark.parametrize("family", ["qwen3_5_text", "qwen3_5"])
 def test_hybrid_targets_states_equal_the_extractors_own_capture(family, vllm_extraction_server, demo_tokenizer_dir,
                                                                 tmp_path):
     """The headline's Gated-DeltaNet hybrid, bare and in its VLM wrapper, served by vLLM's CPU build when it can
-    (its qwen3_5 module imports the Qwen-VL image processor, which needs torchvision; the CPU environment has
-    none that matches its torch): the same comparison on a server of its own."""
+    (its qwen3_5 module imports the Qwen-VL image processor, which needs torchvision: `docs/engines.md` says how to
+    give it one). That build runs Gated-DeltaNet in bf16 only ("CPU GDN attention requires BF16"), so server and
+    extractor run the target in bf16, and the bar is bf16's own: per layer, vLLM's states are as close to the
+    float32 capture as the extractor's own bf16 capture is (mean relative difference within 1.25x of ours; measured
+    on qwen3_5_text: 0.37-0.61 % against ours 0.38-0.63 %). Prefix caching is off: on a hybrid target vLLM then
+    keeps the recurrent state per block with a Triton kernel, which the CPU build lacks."""
     from conftest import ExtractionServer
 
     from dflash_stream.bench.tiny_targets import save_target
@@ -158,17 +184,20 @@ def test_hybrid_targets_states_equal_the_extractors_own_capture(family, vllm_ext
     if missing:
         pytest.skip(f"vLLM's CPU build cannot load {family}: {missing}")
     target = save_target(family, tmp_path / "target", demo_tokenizer_dir, served=True)
-    server = ExtractionServer(target, tmp_path / "server")
+    server = ExtractionServer(target, tmp_path / "server", dtype="bfloat16", extra_args=("--no-enable-prefix-caching",))
     try:
         server.start()
-        config = served_run_config(tmp_path, server, rows=12)
+        # `extract` alone, no trainer: a budget for all of it.
+        config = served_run_config(tmp_path, server, rows=12, **{"target.dtype": "bfloat16", "store.budget": "20MB"})
         done = subprocess.run([sys.executable, "-m", "dflash_stream", "extract", "--config", str(config)],
                               cwd=REPO, capture_output=True, text=True, timeout=600)
         assert done.returncode == 0, done.stderr[-3000:]
     finally:
         server.server.stop()
-    worst, samples = worst_relative_difference(tmp_path / "out" / "store", target, server.layer_ids)
-    assert samples == 12 and max(worst) <= MAX_REL, worst
+    error, samples = bf16_error(tmp_path / "out" / "store", target, server.layer_ids)
+    assert samples == 12
+    assert all(0 < ours < 0.02 for ours in error["ours_bf16"]), error  # bf16 rounding, nothing worse
+    assert all(vllm <= 1.25 * ours for vllm, ours in zip(error["stored"], error["ours_bf16"], strict=True)), error
 
 
 def _served_extractor(config: Path):

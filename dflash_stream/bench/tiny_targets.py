@@ -5,6 +5,7 @@ eval-engines` build them."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 from typing import Any
@@ -18,8 +19,17 @@ MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
 GDN = {"linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
        "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4, "full_attention_interval": 3}
 WINDOW = 16  # sliding windows far shorter than the prompts, so that eval must roll windowed caches back
-SERVED = {"hidden_size": 128, "head_dim": 32, "linear_key_head_dim": 32, "linear_value_head_dim": 32}
-"""Wider heads for the targets served with vLLM: its CPU attention takes head sizes 32 to 512 only."""
+SERVED = {"hidden_size": 128, "head_dim": 32, "linear_key_head_dim": 128, "linear_value_head_dim": 128}
+"""Wider heads for the targets served with vLLM: its CPU attention takes head sizes 32 to 512 only, its CPU
+Gated-DeltaNet kernel ("Unexpected head dim size, 32") the real models' 128."""
+
+
+IMAGE_PROCESSORS = {
+    "qwen3_5": {"image_processor_type": "Qwen2VLImageProcessor", "processor_class": "Qwen3VLProcessor",
+                "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
+                "size": {"shortest_edge": 65536, "longest_edge": 16777216}},
+}
+"""The image processor a wrapper's hub checkpoint carries (the sizes come from its vision config)."""
 
 
 def _drop(d: dict[str, Any], *keys: str) -> dict[str, Any]:
@@ -97,4 +107,9 @@ def save_target(family: str, out: Path, tokenizer_dir: Path, seed: int = 0, serv
     model.save_pretrained(out, safe_serialization=True)
     for item in tokenizer_dir.iterdir():
         shutil.copy(item, out / item.name)
+    if served and family in IMAGE_PROCESSORS:  # vLLM loads a VLM's processor even to serve text
+        vision = config.vision_config
+        processor = {**IMAGE_PROCESSORS[family], "patch_size": vision.patch_size,
+                     "temporal_patch_size": vision.temporal_patch_size, "merge_size": vision.spatial_merge_size}
+        (out / "preprocessor_config.json").write_text(json.dumps(processor, indent=2) + "\n")
     return out

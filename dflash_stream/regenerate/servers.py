@@ -202,13 +202,20 @@ def vllm_server(model: str | Path, log_path: str | Path, *, dtype: str, max_mode
                 speculative: dict | None = None, threads: int | None = None, bind: str = "all",
                 kv_cache_gib: float = 1.0, python: str | Path | None = None, extra_args: tuple[str, ...] = ()
                 ) -> LocalServer:
-    """vLLM's OpenAI server on `model` (a folder of safetensors), not started yet: float32 or bfloat16 `dtype`,
-    sequences up to `max_model_len` tokens, steps of at most BATCH_TOKENS, a KV cache of `kv_cache_gib`, its OpenMP
-    threads bound as `bind` says (`vllm_thread_env`), and `speculative` (a --speculative-config, such as
-    `dflash_speculator` gives) when drafting."""
+    """vLLM's OpenAI server on `model` (a folder of safetensors), not started yet: float32 or bfloat16 `dtype`
+    (vLLM's CPU build runs a Gated-DeltaNet target in bfloat16 only), sequences up to `max_model_len` tokens, steps
+    of at most BATCH_TOKENS, a KV cache of `kv_cache_gib`, its OpenMP threads bound as `bind` says
+    (`vllm_thread_env`), and `speculative` (a --speculative-config, such as `dflash_speculator` gives) when
+    drafting."""
+    from dflash_stream.target_model.shape import LINEAR, target_shape
+
     args = ["--dtype", dtype, "--max-model-len", str(max_model_len), "--max-num-batched-tokens", str(BATCH_TOKENS)]
     if speculative is not None:
         args += ["--speculative-config", json.dumps(speculative)]
+    if LINEAR in target_shape(TargetConfig(model=str(model))).layer_types:
+        # With prefix caching vLLM keeps a Gated-DeltaNet target's recurrent state per cache block, by a Triton
+        # kernel that its CPU build lacks; these servers answer each prompt once, so the cache buys nothing.
+        args.append("--no-enable-prefix-caching")
     env, _ = vllm_thread_env(bind, threads or len(os.sched_getaffinity(0)))
     return LocalServer("vllm", model, log_path, python=python, extra_args=(*args, *extra_args),
                        kv_cache_gib=kv_cache_gib, env=env)
