@@ -134,6 +134,24 @@ def test_engine_table_prints_each_served_note_on_a_line_of_its_own():
                                                                               "layer 0's k_norm"]
 
 
+def test_engines_are_compared_on_the_prompts_both_answered_as_the_target():
+    """Where an engine's answer parts from the target's (bf16 near-ties), its drafter drafts on another text:
+    `same_answers` counts only the prompts both engines answered as the target, from each prompt's counters."""
+    from dflash_stream.drafter.commands import engine_table
+    from dflash_stream.drafter.evaluate import same_answers
+
+    ours = [{"index": i, "verify_steps": steps, "accepted": accepted, "matches_target": match}
+            for i, (steps, accepted, match) in enumerate([(10, 5, True), (8, 8, False), (20, 10, True)])]
+    served = [{"index": i, "verify_steps": steps, "accepted": accepted, "as_target": match}
+              for i, (steps, accepted, match) in enumerate([(10, 4, True), (30, 0, True), (25, 2, False)])]
+    same = same_answers(ours, served)
+    assert same == {"prompts": [0], "ours": 1.5, "vllm": 1.4, "relative_difference": relative_difference(1.4, 1.5)}
+    figures = {"acceptance_length": 2.0, "drafts": 4, "accepted_tokens": 4, "per_position": [3, 1],
+               "matches_target": False}
+    result = {"prompts": ours, "engines": {"ours": figures}, "same_answers": same}
+    assert engine_table(result)[-1] == "on the 1 prompts both engines answered as the target: tau 1.500 ours, 1.400 vLLM"
+
+
 def test_a_local_server_drafts_to_the_end_of_the_longest_answer():
     """vLLM drafts after a verification step only while that step's sequence plus the next query block fits:
     max_seq_len + num_speculative_tokens + 1 <= max_model_len (`test_vllms_drafting_check_is_the_one_modelled`).
@@ -415,6 +433,14 @@ def test_vllm_serving_the_drafter_accepts_as_our_loop_does(served_drafter, capsy
         assert entry["per_position"] == sorted(entry["per_position"], reverse=True)  # k accepted => k-1 was
     # Today's τ stays tokens emitted per step: a block cut by the budget emits fewer tokens than it accepted.
     assert result["acceptance_length"] <= ours["acceptance_length"]
+    # Counters read after each prompt add up to the whole; every answer is the target's, so the comparison on the
+    # same answers covers every prompt.
+    for rows, entry in ((result["prompts"], ours), (vllm["prompts"], vllm)):
+        assert sum(p["verify_steps"] for p in rows) == entry["drafts"]
+        assert sum(p["accepted"] for p in rows) == entry["accepted_tokens"]
+    same = result["same_answers"]
+    assert same["prompts"] == list(range(len(PROMPTS)))
+    assert (same["ours"], same["vllm"]) == (ours["acceptance_length"], vllm["acceptance_length"])
 
 
 @pytest.mark.slow

@@ -49,6 +49,8 @@ class Variant:
     """shared, or own: the export carries the target's scaled embedding (`export --embedding own`)."""
     start_from: str | None = None
     """Another variant whose exported drafter this one starts from (drafter.init_from)."""
+    dtype: str = "float32"
+    """The target's dtype in training and in both engines."""
     note: str = ""
 
 
@@ -66,8 +68,9 @@ VARIANTS: dict[str, Variant] = {
                                          note="the same drafter exported with its own scaled embedding"),
     "gemma3": Variant("gemma3", note="VLM wrapper"),
     "gpt_oss": Variant("gpt_oss"),
-    "qwen3_5_text": Variant("qwen3_5_text", note="Gated-DeltaNet hybrid"),
-    "qwen3_5": Variant("qwen3_5", note="Gated-DeltaNet hybrid, VLM wrapper"),
+    # vLLM's CPU build runs Gated-DeltaNet in bf16 only ("CPU GDN attention requires BF16").
+    "qwen3_5_text": Variant("qwen3_5_text", dtype="bfloat16", note="Gated-DeltaNet hybrid, bf16"),
+    "qwen3_5": Variant("qwen3_5", dtype="bfloat16", note="Gated-DeltaNet hybrid, VLM wrapper, bf16"),
 }
 DEMO = "demo"
 SERVED_NOTES = {"embedding": "vLLM embeds unscaled",
@@ -170,7 +173,7 @@ class Bench:
             drafter["init_from"] = str(self.drafter_dir(v.start_from))
         cfg = {
             "output_dir": str(root),
-            "target": {"model": str(target.resolve()), "dtype": "float32", "device": "cpu", "num_capture_layers": 3},
+            "target": {"model": str(target.resolve()), "dtype": v.dtype, "device": "cpu", "num_capture_layers": 3},
             # The held-out prompts themselves, answered by the target as eval will answer them: the drafter learns
             # those answers within minutes, so its τ is far above 1 (a figure of memory, not of generalization).
             "data": {"sources": [{"path": str(HELDOUT)}], "max_length": 256, "regenerate": True,
@@ -243,6 +246,7 @@ class Bench:
                                     workdir=self.workdir / "engines" / name)
         row = {"note": note, "drafter": str(drafter), "block_size": result["block_size"],
                "engines": result["engines"], "engines_agree": result.get("engines_agree"),
+               "same_answers": result.get("same_answers"),
                "speedup": result["speedup"], "speedup_note": result["speedup_note"],
                "target_tokens_per_s": result["engines"]["ours"]["target_tokens_per_s"]}
         if self.vllm_baseline:
@@ -303,6 +307,10 @@ def table(result: dict[str, Any]) -> list[str]:
         if "error" in vllm:
             notes.append(f"not served: {vllm['error']}")
         notes += [SERVED_NOTES[kind] for kind in vllm.get("notes", {})]
+        same = row.get("same_answers")
+        if same and len(same["prompts"]) < result["prompts"]:  # some answers parted from the target's
+            notes.append(f"on the {len(same['prompts'])} prompts both answered as the target: tau "
+                         f"{_num(same['ours'], 3)} ours, {_num(same['vllm'], 3)} vLLM")
         diff = f"{100 * vllm['relative_difference']:+.2f}%" if "relative_difference" in vllm else ""
         as_target = f"{vllm['answers_as_target']}/{result['prompts']}" if "answers_as_target" in vllm else "-"
         alone = (row.get("vllm_without_drafter") or {}).get("tokens_per_s")

@@ -114,6 +114,10 @@ def engine_table(result: dict) -> list[str]:
         lines += [f"{'':<8}note: {note}" for note in e.get("notes", {}).values()]
     if result.get("engines_agree") is not None:
         lines.append(f"tau within 2 % of ours: {result['engines_agree']}")
+    same = result.get("same_answers")
+    if same and len(same["prompts"]) < prompts:  # some answers parted from the target's
+        lines.append(f"on the {len(same['prompts'])} prompts both engines answered as the target: tau "
+                     f"{_num(same['ours'], 3)} ours, {_num(same['vllm'], 3)} vLLM")
     return lines
 
 

@@ -139,6 +139,7 @@ class Evaluator:
                 "prompt_tokens": ids.shape[1],
                 "new_tokens": len(fast.tokens),
                 "verify_steps": len(fast.accepted),
+                "accepted": sum(fast.accepted),
                 "acceptance_length": fast.acceptance_length,
                 "matches_target": fast.tokens == base.tokens,
                 "target_s": round(base.seconds, 4),
@@ -181,6 +182,10 @@ class Evaluator:
                 served["relative_difference"] = difference
             result["engines"]["vllm"] = served
             result["engines_agree"] = None if difference is None else abs(difference) <= AGREEMENT
+            if "prompts" in served:
+                same = result["same_answers"] = same_answers(per_prompt, served["prompts"])
+                log.info("eval: on the %d prompts both engines answered as the target: tau %s ours, %s vLLM",
+                         len(same["prompts"]), *(f"{t:.3f}" if t else "-" for t in (same["ours"], same["vllm"])))
         return result
 
     def served(self, drafter_dir: str | Path, block_size: int, max_new_tokens: int, endpoint: str | None,
@@ -206,6 +211,18 @@ def speedup_note(speedup: float | None, tau: float | None, block_size: int) -> s
         return None
     return (f"not meaningful: {speedup:.2f}x exceeds tau {tau:.2f}, the most drafting can give; a one-token forward "
             f"of this target costs more than a {block_size}-token one here (per-call overhead)")
+
+
+def same_answers(ours: list[dict[str, Any]], served: list[dict[str, Any]]) -> dict[str, Any]:
+    """Both engines' τ over the prompts both answered as the target's own greedy answer. Where an engine's answer
+    parts from it (a near-tie its kernels round the other way: bf16 targets), the drafter drafts on another text,
+    and the two τ compare texts as much as engines; on the same answers they compare the engines alone."""
+    both = [o["index"] for o, s in zip(ours, served, strict=True) if o["matches_target"] and s["as_target"]]
+    taus = {}
+    for name, rows in (("ours", ours), ("vllm", served)):
+        drafts = sum(rows[i]["verify_steps"] for i in both)
+        taus[name] = 1 + sum(rows[i]["accepted"] for i in both) / drafts if drafts else None
+    return {"prompts": both, **taus, "relative_difference": relative_difference(taus["vllm"], taus["ours"])}
 
 
 def relative_difference(tau: float | None, ours: float | None) -> float | None:

@@ -290,8 +290,8 @@ def drafting_model_len(prompt_tokens: int, max_new_tokens: int, block_size: int)
 
 
 def _ask(job: ServedEval, url: str, block_size: int, max_new_tokens: int) -> dict[str, Any]:
-    """Every prompt once, one at a time (batching changes the kernels' rounding, and near-ties with it), between
-    two readings of the counters."""
+    """Every prompt once, one at a time (batching changes the kernels' rounding, and near-ties with it), the
+    counters read before the first and after each (`prompts`: each one's drafts and accepted tokens)."""
     from dflash_stream.regenerate.client import Answer, CompletionClient, Prompt
 
     gen = GenerationConfig(engine="openai", endpoints=[url], temperature=0.0, retries=0)
@@ -304,19 +304,24 @@ def _ask(job: ServedEval, url: str, block_size: int, max_new_tokens: int) -> dic
     if len(before.per_position) != block_size - 1:
         raise EngineError(f"eval: the server at {url} drafts {len(before.per_position)} tokens per step, this "
                           f"drafter's block is {block_size}: serve it with num_speculative_tokens {block_size - 1}")
-    answers.clear()
-    started = time.perf_counter()
-    client.run([Prompt(i, ids, max_new_tokens) for i, ids in enumerate(job.prompts)], answers.append)
-    seconds = time.perf_counter() - started
-    tokens = {a.key: a.tokens for a in answers}
-    failed = [a for a in answers if a.tokens is None]
-    if failed:
-        raise EngineError(f"eval: {url} failed {len(failed)} of {len(answers)} prompts, e.g. {failed[0].error}")
-    # At least one draft per answer token after the first could not have been skipped: wait for them all.
-    after = settled_counters(url, None, before.drafts + 1).minus(before)
-    new_tokens = sum(len(t) for t in tokens.values())
-    same = sum(tokens[i] == ref for i, ref in enumerate(job.references))
+    last, seconds, new_tokens, prompts = before, 0.0, 0, []
+    for index, ids in enumerate(job.prompts):
+        answers.clear()
+        started = time.perf_counter()
+        client.run([Prompt(index, ids, max_new_tokens)], answers.append)
+        seconds += time.perf_counter() - started
+        tokens = answers[0].tokens
+        if tokens is None:
+            raise EngineError(f"eval: {url} failed prompt {index} of {len(job.prompts)}: {answers[0].error}")
+        # At least one draft per answer token after the first could not have been skipped: wait for them all.
+        now = settled_counters(url, None, last.drafts + (len(tokens) > 1))
+        step = now.minus(last)
+        prompts.append({"index": index, "verify_steps": step.drafts, "accepted": step.accepted,
+                        "as_target": tokens == job.references[index]})
+        last, new_tokens = now, new_tokens + len(tokens)
+    after = last.minus(before)
+    same = sum(p["as_target"] for p in prompts)
     return {**acceptance_figures(after.drafts, after.accepted, after.per_position),
             "new_tokens": new_tokens, "matches_target": same == len(job.references),
             "answers_as_target": same, "seconds": round(seconds, 3),
-            "tokens_per_s": round(new_tokens / seconds, 2) if seconds else None}
+            "tokens_per_s": round(new_tokens / seconds, 2) if seconds else None, "prompts": prompts}
