@@ -170,12 +170,12 @@ def bf16_error(store_path: Path, target: Path, layer_ids: list[int]) -> tuple[di
 def test_hybrid_targets_states_equal_the_extractors_own_capture(family, vllm_extraction_server, demo_tokenizer_dir,
                                                                 tmp_path):
     """The headline's Gated-DeltaNet hybrid, bare and in its VLM wrapper, served by vLLM's CPU build when it can
-    (its qwen3_5 module imports the Qwen-VL image processor, which needs torchvision: `docs/engines.md` says how to
-    give it one). That build runs Gated-DeltaNet in bf16 only ("CPU GDN attention requires BF16"), so server and
+    (its qwen3_5 module imports the Qwen-VL image processor, which needs torchvision: `make vllm-env` gives it one,
+    docs/vllm-extraction.md). That build runs Gated-DeltaNet in bf16 only ("CPU GDN attention requires BF16"), so server and
     extractor run the target in bf16, and the bar is bf16's own: per layer, vLLM's states are as close to the
     float32 capture as the extractor's own bf16 capture is (mean relative difference within 1.25x of ours; measured
-    on qwen3_5_text: 0.37-0.61 % against ours 0.38-0.63 %). Prefix caching is off: on a hybrid target vLLM then
-    keeps the recurrent state per block with a Triton kernel, which the CPU build lacks."""
+    on qwen3_5_text: 0.37-0.61 % against ours 0.38-0.63 %). Prefix caching is off: with it, vLLM keeps a hybrid's
+    recurrent state per cache block by a Triton kernel, which the CPU build lacks."""
     from conftest import ExtractionServer
 
     from dflash_stream.bench.tiny_targets import save_target
