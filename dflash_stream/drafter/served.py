@@ -291,7 +291,8 @@ def drafting_model_len(prompt_tokens: int, max_new_tokens: int, block_size: int)
 
 def _ask(job: ServedEval, url: str, block_size: int, max_new_tokens: int) -> dict[str, Any]:
     """Every prompt once, one at a time (batching changes the kernels' rounding, and near-ties with it), the
-    counters read before the first and after each (`prompts`: each one's drafts and accepted tokens)."""
+    counters read before the first and after each (`prompts`: each one's verify steps, accepted tokens, and
+    whether its answer is the target's)."""
     from dflash_stream.regenerate.client import Answer, CompletionClient, Prompt
 
     gen = GenerationConfig(engine="openai", endpoints=[url], temperature=0.0, retries=0)
