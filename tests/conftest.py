@@ -132,9 +132,9 @@ class ExtractionServer:
     MAX_LENGTH = 1024
     """The longest data.max_length a test may use with it (its --max-model-len is one more)."""
 
-    def __init__(self, target: Path, workdir: Path, dtype: str = "float32", extra_args: tuple[str, ...] = ()) -> None:
+    def __init__(self, target: Path, workdir: Path, dtype: str = "float32") -> None:
         from dflash_stream.config import config_from_dict
-        from dflash_stream.regenerate.servers import LocalServer
+        from dflash_stream.regenerate.servers import LocalServer, local_serving_args
         from dflash_stream.target_model.vllm_serve import extraction_args, run_layer_ids, server_env
 
         self.target, self.spool = target, workdir / "spool"
@@ -145,7 +145,8 @@ class ExtractionServer:
             "store": {"path": str(workdir / "store"), "budget": "1GB"}})
         self.layer_ids = run_layer_ids(cfg)
         self.server = LocalServer("vllm", target, workdir / "vllm.log", python=VLLM_PYTHON, kv_cache_gib=1,
-                                  extra_args=(*extraction_args(cfg, self.layer_ids), "--enforce-eager", *extra_args))
+                                  extra_args=(*extraction_args(cfg, self.layer_ids), "--enforce-eager",
+                                              *local_serving_args(target)))
         # Compute on every core with none kept back, as `bench regenerate` does by default.
         cores = sorted(os.sched_getaffinity(0))
         self.env = {**server_env(), "VLLM_CPU_OMP_THREADS_BIND": f"{cores[0]}-{cores[-1]}",

@@ -174,8 +174,8 @@ def test_hybrid_targets_states_equal_the_extractors_own_capture(family, vllm_ext
     docs/vllm-extraction.md). That build runs Gated-DeltaNet in bf16 only ("CPU GDN attention requires BF16"), so server and
     extractor run the target in bf16, and the bar is bf16's own: per layer, vLLM's states are as close to the
     float32 capture as the extractor's own bf16 capture is (mean relative difference within 1.25x of ours; measured
-    on qwen3_5_text: 0.37-0.61 % against ours 0.38-0.63 %). Prefix caching is off: with it, vLLM keeps a hybrid's
-    recurrent state per cache block by a Triton kernel, which the CPU build lacks."""
+    on qwen3_5_text: 0.37-0.61 % against ours 0.38-0.63 %). Prefix caching is off (`local_serving_args`): with it,
+    vLLM keeps a hybrid's recurrent state per cache block by a Triton kernel, which the CPU build lacks."""
     from conftest import ExtractionServer
 
     from dflash_stream.bench.tiny_targets import save_target
@@ -184,7 +184,7 @@ def test_hybrid_targets_states_equal_the_extractors_own_capture(family, vllm_ext
     if missing:
         pytest.skip(f"vLLM's CPU build cannot load {family}: {missing}")
     target = save_target(family, tmp_path / "target", demo_tokenizer_dir, served=True)
-    server = ExtractionServer(target, tmp_path / "server", dtype="bfloat16", extra_args=("--no-enable-prefix-caching",))
+    server = ExtractionServer(target, tmp_path / "server", dtype="bfloat16")
     try:
         server.start()
         # `extract` alone, no trainer: a budget for all of it.

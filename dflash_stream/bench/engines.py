@@ -295,6 +295,8 @@ def _num(value: float | None, digits: int) -> str:
 
 def table(result: dict[str, Any]) -> list[str]:
     """The side-by-side table: τ in each engine, their difference, the tokens per second of each."""
+    from dflash_stream.drafter.evaluate import same_answers_line
+
     lines = [f"{result['prompts']} held-out prompts, up to {result['max_new_tokens']} new tokens each, greedy",
              f"{'variant':<26}{'ours tau':>9}{'vLLM tau':>9}{'diff':>8}{'as target':>10}"
              f"{'ours tok/s':>11}{'+drafter':>9}{'vLLM tok/s':>11}{'+drafter':>9}  notes"]
@@ -307,10 +309,8 @@ def table(result: dict[str, Any]) -> list[str]:
         if "error" in vllm:
             notes.append(f"not served: {vllm['error']}")
         notes += [SERVED_NOTES[kind] for kind in vllm.get("notes", {})]
-        same = row.get("same_answers")
-        if same and len(same["prompts"]) < result["prompts"]:  # some answers parted from the target's
-            notes.append(f"on the {len(same['prompts'])} prompts both answered as the target: tau "
-                         f"{_num(same['ours'], 3)} ours, {_num(same['vllm'], 3)} vLLM")
+        if line := same_answers_line(row.get("same_answers"), result["prompts"]):
+            notes.append(line)
         diff = f"{100 * vllm['relative_difference']:+.2f}%" if "relative_difference" in vllm else ""
         as_target = f"{vllm['answers_as_target']}/{result['prompts']}" if "answers_as_target" in vllm else "-"
         alone = (row.get("vllm_without_drafter") or {}).get("tokens_per_s")

@@ -99,6 +99,8 @@ def _format(result: dict) -> str:
 
 def engine_table(result: dict) -> list[str]:
     """Each engine's τ as vLLM counts it, side by side, and whether its answers are the target's."""
+    from dflash_stream.drafter.evaluate import same_answers_line
+
     prompts = len(result["prompts"])
     lines = [f"{'engine':<8}{'tau':>8}{'vs ours':>9}{'drafts':>8}{'accepted':>10}{'as target':>11}  accepted per "
              "draft position"]
@@ -114,10 +116,8 @@ def engine_table(result: dict) -> list[str]:
         lines += [f"{'':<8}note: {note}" for note in e.get("notes", {}).values()]
     if result.get("engines_agree") is not None:
         lines.append(f"tau within 2 % of ours: {result['engines_agree']}")
-    same = result.get("same_answers")
-    if same and len(same["prompts"]) < prompts:  # some answers parted from the target's
-        lines.append(f"on the {len(same['prompts'])} prompts both engines answered as the target: tau "
-                     f"{_num(same['ours'], 3)} ours, {_num(same['vllm'], 3)} vLLM")
+    if line := same_answers_line(result.get("same_answers"), prompts):
+        lines.append(line)
     return lines
 
 

@@ -225,6 +225,15 @@ def same_answers(ours: list[dict[str, Any]], served: list[dict[str, Any]]) -> di
     return {"prompts": both, **taus, "relative_difference": relative_difference(taus["vllm"], taus["ours"])}
 
 
+def same_answers_line(same: dict[str, Any] | None, prompts: int) -> str | None:
+    """`same_answers` in one line, when some answers parted from the target's (else it says nothing new)."""
+    if not same or len(same["prompts"]) >= prompts:
+        return None
+    taus = ("-" if t is None else f"{t:.3f}" for t in (same["ours"], same["vllm"]))
+    return "on the {} prompts both engines answered as the target: tau {} ours, {} vLLM".format(
+        len(same["prompts"]), *taus)
+
+
 def relative_difference(tau: float | None, ours: float | None) -> float | None:
     """An engine's τ relative to ours (0.01 = 1 % higher); None when either has none."""
     return None if tau is None or not ours else round(tau / ours - 1, 5)

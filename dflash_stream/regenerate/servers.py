@@ -207,13 +207,21 @@ def vllm_server(model: str | Path, log_path: str | Path, *, dtype: str, max_mode
     of at most BATCH_TOKENS, a KV cache of `kv_cache_gib`, its OpenMP threads bound as `bind` says
     (`vllm_thread_env`), and `speculative` (a --speculative-config, such as `dflash_speculator` gives) when
     drafting."""
+    args = ["--dtype", dtype, "--max-model-len", str(max_model_len), "--max-num-batched-tokens", str(BATCH_TOKENS),
+            *local_serving_args(model)]
+    if speculative is not None:
+        args += ["--speculative-config", json.dumps(speculative)]
+    env, _ = vllm_thread_env(bind, threads or len(os.sched_getaffinity(0)))
+    return LocalServer("vllm", model, log_path, python=python, extra_args=(*args, *extra_args),
+                       kv_cache_gib=kv_cache_gib, env=env)
+
+
+def local_serving_args(model: str | Path) -> list[str]:
+    """What a vLLM server this project starts for text on this machine needs for `model` beyond the defaults."""
     from dflash_stream.target_model.location import load_target_config
     from dflash_stream.target_model.shape import LINEAR, target_shape
 
-    args = ["--dtype", dtype, "--max-model-len", str(max_model_len), "--max-num-batched-tokens", str(BATCH_TOKENS)]
-    if speculative is not None:
-        args += ["--speculative-config", json.dumps(speculative)]
-    target = TargetConfig(model=str(model))
+    target, args = TargetConfig(model=str(model)), []
     if LINEAR in target_shape(target).layer_types:
         # With prefix caching vLLM keeps a Gated-DeltaNet target's recurrent state per cache block, by a Triton
         # kernel that its CPU build lacks; these servers answer each prompt once, so the cache buys nothing.
@@ -222,9 +230,7 @@ def vllm_server(model: str | Path, log_path: str | Path, *, dtype: str, max_mode
     if config.get_text_config() is not config:
         # A VLM checkpoint asked for text only: without it vLLM loads the vision tower and tries an image at start.
         args.append("--language-model-only")
-    env, _ = vllm_thread_env(bind, threads or len(os.sched_getaffinity(0)))
-    return LocalServer("vllm", model, log_path, python=python, extra_args=(*args, *extra_args),
-                       kv_cache_gib=kv_cache_gib, env=env)
+    return args
 
 
 def dflash_speculator(drafter_dir: str | Path, block_size: int) -> dict:
