@@ -34,6 +34,7 @@ LAYER_KINDS = {
     "qwen3_5": {"linear_attention": 4, "full_attention": 2},
     "qwen3_next": {"linear_attention": 4, "full_attention": 2},
     "gemma3": {"sliding_attention": 3, "full_attention": 3},
+    "gemma4": {"sliding_attention": 4, "full_attention": 2},
     "mistral": {"sliding_attention": 6},
     "llama": {"full_attention": 6},
 }

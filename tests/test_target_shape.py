@@ -64,7 +64,28 @@ def test_sliding_and_mla_attention_widths():
     deepseek = shape_from_config(build_config("deepseek_v3"), "test")
     # `head_dim` of a DeepSeek config aliases the narrow RoPE part (16): the drafter takes the value heads' 32.
     assert deepseek.config.head_dim == 16 and deepseek.head_dim == 32
-    assert deepseek.kv_elements_per_token_layer == 16 + 16  # the compressed latent + the shared RoPE key
+    assert deepseek.kv_elements_per_token == {"full_attention": 16 + 16}  # the compressed latent + the shared RoPE key
+
+
+def test_gemma4_full_layers_have_heads_of_their_own():
+    """A heterogeneous config (transformers' per_layer_config) refuses a model-wide head count: each layer's is
+    read, the drafter copies the first's, and each layer type's cache is sized by its own heads."""
+    from dflash_stream.sizing.memory import target_dims
+
+    shape = shape_from_config(build_config("gemma4_text"), "test")
+    assert shape.layer_type_counts == {"sliding_attention": 4, "full_attention": 2}
+    assert (shape.num_attention_heads, shape.num_key_value_heads, shape.head_dim) == (4, 2, 16)
+    # Sliding: 2 KV heads of 16; full: 1 KV head of 32 whose keys are its values (the cache holds both).
+    assert shape.kv_elements_per_token == {"sliding_attention": 2 * 2 * 16, "full_attention": 2 * 1 * 32}
+    assert shape.embed_scale == pytest.approx(64**0.5)
+    # 100 tokens: the sliding layers hold their window of 16, the full layers all.
+    assert target_dims(shape).kv_cache_bytes(100, 2) == (4 * 16 * 64 + 2 * 100 * 64) * 2
+    # Its full layers' proportional RoPE turns the first quarter of each head at default frequencies; a drafter
+    # turns whole heads at those (z-lab's Gemma 4 31B drafter: rope_theta 1e6, plain RoPE).
+    from dflash_stream.drafter.spec import target_rope
+
+    assert shape.rope_for("full_attention")["rope_type"] == "proportional"
+    assert target_rope(shape) == (1e6, None)
 
 
 def test_plan_hints_build_the_family_config_when_the_model_is_not_at_hand():

@@ -67,6 +67,9 @@ VARIANTS: dict[str, Variant] = {
     "gemma3_text-own-embedding": Variant("gemma3_text", embedding="own", start_from="gemma3_text",
                                          note="the same drafter exported with its own scaled embedding"),
     "gemma3": Variant("gemma3", note="VLM wrapper"),
+    "gemma4_text": Variant("gemma4_text", note="embedding shared with the target"),
+    "gemma4_text-own-embedding": Variant("gemma4_text", embedding="own", start_from="gemma4_text",
+                                         note="the same drafter exported with its own scaled embedding"),
     "gpt_oss": Variant("gpt_oss"),
     # vLLM's CPU build runs Gated-DeltaNet in bf16 only ("CPU GDN attention requires BF16").
     "qwen3_5_text": Variant("qwen3_5_text", dtype="bfloat16", note="Gated-DeltaNet hybrid, bf16"),

@@ -19,7 +19,8 @@ MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
 GDN = {"linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
        "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4, "full_attention_interval": 3}
 WINDOW = 16  # sliding windows far shorter than the prompts, so that eval must roll windowed caches back
-SERVED = {"hidden_size": 128, "head_dim": 32, "linear_key_head_dim": 128, "linear_value_head_dim": 128}
+SERVED = {"hidden_size": 128, "head_dim": 32, "global_head_dim": 64, "linear_key_head_dim": 128,
+          "linear_value_head_dim": 128}
 """Wider heads for the targets served with vLLM: its CPU attention takes head sizes 32 to 512 only, its CPU
 Gated-DeltaNet kernel ("Unexpected head dim size, 32") the real models' 128."""
 
@@ -34,6 +35,13 @@ IMAGE_PROCESSORS = {
 
 def _drop(d: dict[str, Any], *keys: str) -> dict[str, Any]:
     return {k: v for k, v in d.items() if k not in keys}
+
+
+GEMMA4 = {**TEXT, "sliding_window": WINDOW,
+          "layer_types": ["sliding_attention", "sliding_attention", "full_attention"] * 2, "global_head_dim": 32, "num_global_key_value_heads": 1, "attention_k_eq_v": True,
+          "final_logit_softcapping": 30.0, "hidden_size_per_layer_input": 0}
+"""As Gemma 4 31B: full layers with heads of their own, wider and fewer, whose keys are their values; a logit
+softcap; no per-layer input embeddings (the small E2B/E4B's)."""
 
 
 FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
@@ -65,6 +73,10 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen3_next": ("qwen3_next", {**TEXT, **GDN, **MOE, "shared_expert_intermediate_size": 32}),
     "mistral": ("mistral", {**TEXT, "sliding_window": WINDOW}),
     "gemma3_text": ("gemma3_text", {**TEXT, "sliding_window": WINDOW, "sliding_window_pattern": 2}),
+    "gemma4_text": ("gemma4_text", GEMMA4),
+    "gemma4": ("gemma4", {"text_config": GEMMA4, "vision_config": {
+        "hidden_size": 32, "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
+        "num_key_value_heads": 2, "head_dim": 16}}),
 }
 
 

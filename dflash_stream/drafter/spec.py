@@ -125,6 +125,12 @@ def target_rope(shape: TargetShape, layer_type: str = "full_attention") -> tuple
     params = shape.rope_for(layer_type)
     theta = float(params.get("rope_theta") or 10000.0)
     rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "proportional":
+        # Gemma 4's full layers rotate only the first part of each head at default frequencies (divided by
+        # `factor`); a drafter rotating whole heads takes those frequencies, as z-lab's Gemma 4 31B drafter does
+        # (rope_theta 1e6, plain RoPE).
+        factor = float(params.get("factor", 1.0))
+        return theta, None if factor == 1.0 else {"rope_type": "linear", "factor": factor}
     if rope_type == "default":
         return theta, None
     if rope_type not in SCALED_ROPE_TYPES:

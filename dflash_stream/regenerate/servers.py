@@ -268,10 +268,10 @@ def vllm_binding(log_text: str) -> tuple[list[int], list[int]] | None:
 
 
 def kv_cache_gib(target: TargetConfig, tokens: int) -> int:
-    """Whole GiB (what VLLM_CPU_KVCACHE_SPACE takes) of float32 keys and values for `tokens` tokens."""
-    from dflash_stream.target_model.location import load_target_config
+    """Whole GiB (what VLLM_CPU_KVCACHE_SPACE takes) of float32 keys and values for `tokens` tokens: every layer
+    counted as wide as the widest (an upper bound that also leaves a hybrid's recurrent state room)."""
+    from dflash_stream.target_model.shape import target_shape
 
-    config = load_target_config(target).get_text_config()
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * KV_BYTES_PER_VALUE
+    shape = target_shape(target, count=False)
+    per_token = shape.num_layers * max(shape.kv_elements_per_token.values(), default=0) * KV_BYTES_PER_VALUE
     return max(1, math.ceil(tokens * per_token / 2**30))

@@ -95,8 +95,9 @@ class TargetDims:
     num_parameters: float
     active_parameters: float
     """Parameters one token runs through (MoE: routed experts top-k of n): what FLOPs are counted from."""
-    kv_elements_per_token_layer: int
-    """Cache elements one token adds to one attention layer (2 x KV heads x head_dim; MLA: the latent)."""
+    kv_elements_per_token: dict[str, int]
+    """Cache elements one token adds to one layer, per attention layer type (2 x KV heads x head_dim; MLA: the
+    latent)."""
     assumed: tuple[str, ...] = ()
     """What was not known and had to be assumed (named in plan's output)."""
 
@@ -119,27 +120,28 @@ class TargetDims:
         body = self.active_parameters - self.vocab_size * self.hidden_size * (1 if self.tied else 2)
         return max(body, 0.0) / self.num_layers
 
-    def _kv_layers(self) -> tuple[int, int]:
-        """(layers whose K/V grows with the sequence, sliding-window layers). Chunked-attention layers (Llama 4)
-        count as growing: an upper bound. Linear-attention layers keep no K/V (see `state_bytes`)."""
-        counts = self.shape.layer_type_counts
-        sliding = counts.get(SLIDING, 0)
-        return sum(n for kind, n in counts.items() if kind in KV_LAYER_TYPES) - sliding, sliding
+    def _kv_elements(self) -> tuple[int, int]:
+        """Cache elements one token adds (across the layers whose K/V grows with the sequence, across the
+        sliding-window layers). Chunked-attention layers (Llama 4) count as growing: an upper bound.
+        Linear-attention layers keep no K/V (see `state_bytes`)."""
+        per_type = {kind: n * self.kv_elements_per_token[kind]
+                    for kind, n in self.shape.layer_type_counts.items() if kind in KV_LAYER_TYPES}
+        sliding = per_type.pop(SLIDING, 0)
+        return sum(per_type.values()), sliding
 
     def kv_cache_bytes(self, tokens: float, dtype_bytes: int) -> float:
         """One sequence's K/V cache after `tokens` tokens, a sliding layer holding at most its window."""
-        growing, sliding = self._kv_layers()
+        growing, sliding = self._kv_elements()
         window = self.shape.sliding_window or tokens
-        return (growing * tokens + sliding * min(tokens, window)) * self.kv_elements_per_token_layer * dtype_bytes
+        return (growing * tokens + sliding * min(tokens, window)) * dtype_bytes
 
     def mean_kv_cache_bytes(self, start: float, end: float, dtype_bytes: int) -> float:
         """The K/V cache averaged over a decode from `start` to `end` tokens (what one step reads on average)."""
         if end <= start:
             return self.kv_cache_bytes(start, dtype_bytes)
-        growing, sliding = self._kv_layers()
+        growing, sliding = self._kv_elements()
         window = self.shape.sliding_window or end
-        tokens = growing * (start + end) / 2 + sliding * _mean_capped(start, end, window)
-        return tokens * self.kv_elements_per_token_layer * dtype_bytes
+        return (growing * (start + end) / 2 + sliding * _mean_capped(start, end, window)) * dtype_bytes
 
     @property
     def state_bytes(self) -> int:
@@ -183,7 +185,8 @@ def target_dims(shape: TargetShape) -> TargetDims:
     per_layer = 2 * d * heads * head_dim + 2 * d * kv_heads * head_dim + 3 * d * inter + 2 * d
     params = shape.num_parameters or shape.num_layers * per_layer + vocab * d * (1 if tied else 2) + d
     active = shape.active_parameters or params
-    kv_elements = shape.kv_elements_per_token_layer or 2 * kv_heads * head_dim
+    kv_elements = {kind: shape.kv_elements_per_token.get(kind) or 2 * kv_heads * head_dim
+                   for kind in shape.layer_type_counts if kind in KV_LAYER_TYPES}
     return TargetDims(shape, inter, heads, kv_heads, head_dim, vocab, params, active, kv_elements, tuple(assumed))
 
 

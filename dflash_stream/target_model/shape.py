@@ -50,8 +50,9 @@ class TargetShape:
     active_parameters: float | None = None
     """Parameters one token runs through (MoE: routed experts counted top-k of n); equals num_parameters for
     dense targets."""
-    kv_elements_per_token_layer: int | None = None
-    """Elements of one attention layer's cache per token (2 x KV heads x head_dim; MLA: the compressed latent)."""
+    kv_elements_per_token: dict[str, int] = field(default_factory=dict)
+    """Elements one token adds to the cache of one layer, per attention layer type (2 x KV heads x head_dim; MLA:
+    the compressed latent). Gemma 4's full layers have heads of their own, wider and fewer than its sliding ones."""
     state_elements_per_sequence: int = 0
     """Fixed-size state of all linear-attention layers for one sequence (recurrent + convolution state)."""
     config: Any = None
@@ -119,14 +120,30 @@ def _layer_types(tc: Any) -> tuple[str, ...]:
     return (kind,) * tc.num_hidden_layers
 
 
-def _attention_widths(tc: Any) -> tuple[int | None, int | None, int | None, int | None]:
-    """(heads, KV heads, head width for a drafter, cache elements per token and attention layer)."""
+def _layer_widths(tc: Any) -> tuple[int | None, int | None, int | None, int | None]:
+    """(heads, KV heads, head width for a drafter, cache elements per token) of one layer's settings."""
     heads = getattr(tc, "num_attention_heads", None)
     kv_heads = getattr(tc, "num_key_value_heads", None) or heads
     if getattr(tc, "kv_lora_rank", None):  # MLA (DeepSeek): `head_dim` aliases the narrow RoPE part
         return heads, kv_heads, tc.v_head_dim, tc.kv_lora_rank + tc.qk_rope_head_dim
     head_dim = getattr(tc, "head_dim", None) or (tc.hidden_size // heads if heads else None)
     return heads, kv_heads, head_dim, 2 * kv_heads * head_dim if kv_heads and head_dim else None
+
+
+def _attention_widths(tc: Any, types: tuple[str, ...]) -> tuple[int | None, int | None, int | None, dict[str, int]]:
+    """(heads, KV heads, head width for a drafter, cache elements per token by layer type). A heterogeneous
+    config (transformers' `per_layer_config`: Gemma 4's full layers) refuses to give a per-layer width for the
+    whole model, so each layer's is read; the drafter copies the first layer's."""
+    per_layer = getattr(tc, "per_layer_config", None)
+    if per_layer is None:
+        heads, kv_heads, head_dim, elements = _layer_widths(tc)
+        return heads, kv_heads, head_dim, dict.fromkeys(set(types) & set(KV_LAYER_TYPES), elements) if elements else {}
+    widths = [_layer_widths(per_layer[i]) for i in range(len(types))]
+    kv_elements: dict[str, int] = {}
+    for kind, (*_, elements) in zip(types, widths, strict=True):
+        if kind in KV_LAYER_TYPES and elements:
+            kv_elements[kind] = max(elements, kv_elements.get(kind, 0))
+    return *widths[0][:3], kv_elements
 
 
 def _linear_state_elements(tc: Any, layers: int) -> int:
@@ -178,7 +195,7 @@ def shape_from_config(config: Any, source: str, num_parameters: float | None = N
     for its parameter counts (a second or two for a 27B target); `num_parameters` overrides the total."""
     tc = text_config_of(config)
     types = _layer_types(tc)
-    heads, kv_heads, head_dim, kv_elements = _attention_widths(tc)
+    heads, kv_heads, head_dim, kv_elements = _attention_widths(tc, types)
     total = active = None
     if count:
         total, active = count_parameters(config)
@@ -203,7 +220,7 @@ def shape_from_config(config: Any, source: str, num_parameters: float | None = N
         rope=_rope_by_layer_type(tc, set(types)),
         num_parameters=total,
         active_parameters=active,
-        kv_elements_per_token_layer=kv_elements,
+        kv_elements_per_token=kv_elements,
         state_elements_per_sequence=_linear_state_elements(tc, types.count(LINEAR)),
         config=tc,
     )
