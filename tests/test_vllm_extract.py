@@ -186,12 +186,15 @@ def test_hybrid_targets_states_equal_the_extractors_own_capture(family, vllm_ext
     assert all(vllm <= 1.25 * ours for vllm, ours in zip(error["stored"], error["ours_bf16"], strict=True)), error
 
 
-def test_gemma4_states_equal_the_extractors_own_capture(vllm_extraction_server, demo_tokenizer_dir, tmp_path):
+@pytest.mark.parametrize("family", ["gemma4_text", "gemma4"])
+def test_gemma4_states_equal_the_extractors_own_capture(family, vllm_extraction_server, demo_tokenizer_dir,
+                                                        tmp_path):
     """Gemma 4 as its 31B is built (sliding layers; full layers with wider heads of their own, fewer of them,
-    whose keys are their values; embeddings scaled by sqrt(hidden) inside the model), served by vLLM in float32:
-    its states equal the extractor's own capture within 5e-3, as the Llama's do (measured: 2.2e-3, 1.8e-3, 3.0e-3,
-    the bf16 rounding of the stored states)."""
-    target, server = _extract_on_a_server_of_its_own("gemma4_text", "float32", demo_tokenizer_dir, tmp_path)
+    whose keys are their values; embeddings scaled by sqrt(hidden) inside the model), bare and in the VLM wrapper
+    its hub checkpoints are saved as, served by vLLM in float32: its states equal the extractor's own capture
+    within 5e-3, as the Llama's do (measured on gemma4_text: 2.2e-3, 1.8e-3, 3.0e-3, the bf16 rounding of the
+    stored states)."""
+    target, server = _extract_on_a_server_of_its_own(family, "float32", demo_tokenizer_dir, tmp_path)
     worst, samples = worst_relative_difference(tmp_path / "out" / "store", target, server.layer_ids)
     assert samples == 12
     assert max(worst) <= MAX_REL, worst
