@@ -38,7 +38,8 @@ def _drop(d: dict[str, Any], *keys: str) -> dict[str, Any]:
 
 
 GEMMA4 = {**TEXT, "sliding_window": WINDOW,
-          "layer_types": ["sliding_attention", "sliding_attention", "full_attention"] * 2, "global_head_dim": 32, "num_global_key_value_heads": 1, "attention_k_eq_v": True,
+          "layer_types": ["sliding_attention", "sliding_attention", "full_attention"] * 2,
+          "global_head_dim": 32, "num_global_key_value_heads": 1, "attention_k_eq_v": True,
           "final_logit_softcapping": 30.0, "hidden_size_per_layer_input": 0}
 """As Gemma 4 31B: full layers with heads of their own, wider and fewer, whose keys are their values; a logit
 softcap; no per-layer input embeddings (the small E2B/E4B's)."""

@@ -135,10 +135,7 @@ def _attention_widths(tc: Any, types: tuple[str, ...]) -> tuple[int | None, int 
     config (transformers' `per_layer_config`: Gemma 4's full layers) refuses to give a per-layer width for the
     whole model, so each layer's is read; the drafter copies the first layer's."""
     per_layer = getattr(tc, "per_layer_config", None)
-    if per_layer is None:
-        heads, kv_heads, head_dim, elements = _layer_widths(tc)
-        return heads, kv_heads, head_dim, dict.fromkeys(set(types) & set(KV_LAYER_TYPES), elements) if elements else {}
-    widths = [_layer_widths(per_layer[i]) for i in range(len(types))]
+    widths = [_layer_widths(per_layer[i] if per_layer is not None else tc) for i in range(len(types))]
     kv_elements: dict[str, int] = {}
     for kind, (*_, elements) in zip(types, widths, strict=True):
         if kind in KV_LAYER_TYPES and elements:
