@@ -1,7 +1,8 @@
 """Hidden states from a real vLLM server (extract.engine vllm), started once per pytest run on the served tiny
-Llama (the Qwen3.5 hybrids and Gemma 4 each on a server of their own): states equal to the extractor's own capture, the target's weights never loaded by the extractors, the spool
-within its bound, wrong servers refused in one line, state health for every engine, and a whole `accelerate
-launch run` with vLLM extraction and regeneration, killed and resumed, its audit exact and its tau reported."""
+Llama (the Qwen3.5 hybrids and Gemma 4 each on a server of their own): states equal to the extractor's own
+capture, the target's weights never loaded by the extractors, the spool within its bound, wrong servers refused in
+one line, state health for every engine, and a whole `accelerate launch run` with vLLM extraction and
+regeneration, killed and resumed, its audit exact and its tau reported."""
 
 from __future__ import annotations
 
