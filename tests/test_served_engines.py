@@ -413,6 +413,19 @@ def serving_a_trained_drafter(root: Path, family: str, own_embedding: bool = Fal
         yield config, prompts, export, server.url
 
 
+def eval_on_endpoint(served: tuple[Path, Path, Path, str], capsys) -> dict:
+    """`eval --endpoint` of a served drafter (as `serving_a_trained_drafter` yields it): its JSON, after checking
+    that it ran and that our loop gave the target's own answers."""
+    from dflash_stream.cli import main
+
+    config, prompts, export, url = served
+    code = main(["eval", "--drafter", str(export), "--config", str(config), "--prompts", str(prompts),
+                 "--max-new-tokens", str(NEW_TOKENS), "--endpoint", url, "--json"])
+    result = json.loads(capsys.readouterr().out)
+    assert code == 0 and result["matches_target"]
+    return result
+
+
 @pytest.fixture(scope="module")
 def served_drafter(tmp_path_factory):
     with serving_a_trained_drafter(tmp_path_factory.mktemp("served"), "llama") as served:
@@ -424,13 +437,8 @@ def served_drafter(tmp_path_factory):
 def test_vllm_serving_the_drafter_accepts_as_our_loop_does(served_drafter, capsys):
     """`eval --endpoint` on a server serving the exported drafter: vLLM's τ within 2 % of ours for a drafter
     whose τ is far above 1, its answers the target's own, and its counters consistent with themselves."""
-    from dflash_stream.cli import main
-
-    config, prompts, export, url = served_drafter
-    code = main(["eval", "--drafter", str(export), "--config", str(config), "--prompts", str(prompts),
-                 "--max-new-tokens", str(NEW_TOKENS), "--endpoint", url, "--json"])
-    result = json.loads(capsys.readouterr().out)
-    assert code == 0 and result["matches_target"]
+    url = served_drafter[-1]
+    result = eval_on_endpoint(served_drafter, capsys)
     ours, vllm = result["engines"]["ours"], result["engines"]["vllm"]
     assert ours["acceptance_length"] > 2.0, ours
     assert vllm["answers_as_target"] == len(PROMPTS) and vllm["server"] == url
@@ -458,13 +466,8 @@ def test_vllm_serves_a_gemma4_drafter_as_trained_when_it_has_its_own_embedding(t
     inside its embedding module. Exported with its own scaled table (`export --embedding own`), a Gemma 4
     drafter accepts in vLLM what it accepts in our loop, position by position, and eval notes nothing about the
     embedding. (The default export lost 25.7 % of τ there: `bench eval-engines`, docs/engines.md.)"""
-    from dflash_stream.cli import main
-
-    with serving_a_trained_drafter(tmp_path, "gemma4_text", own_embedding=True) as (config, prompts, export, url):
-        code = main(["eval", "--drafter", str(export), "--config", str(config), "--prompts", str(prompts),
-                     "--max-new-tokens", str(NEW_TOKENS), "--endpoint", url, "--json"])
-    result = json.loads(capsys.readouterr().out)
-    assert code == 0 and result["matches_target"]
+    with serving_a_trained_drafter(tmp_path, "gemma4_text", own_embedding=True) as served:
+        result = eval_on_endpoint(served, capsys)
     ours, vllm = result["engines"]["ours"], result["engines"]["vllm"]
     assert ours["acceptance_length"] > 1.5, ours
     assert vllm["answers_as_target"] == len(PROMPTS)
