@@ -222,7 +222,7 @@ def local_serving_args(model: str | Path) -> list[str]:
     from dflash_stream.target_model.shape import LINEAR, target_shape
 
     target, args = TargetConfig(model=str(model)), []
-    if LINEAR in target_shape(target).layer_types:
+    if LINEAR in target_shape(target, count=False).layer_types:
         # With prefix caching vLLM keeps a Gated-DeltaNet target's recurrent state per cache block, by a Triton
         # kernel that its CPU build lacks; these servers answer each prompt once, so the cache buys nothing.
         args.append("--no-enable-prefix-caching")
