@@ -80,15 +80,22 @@ def test_two_regenerate_processes_keep_each_sample_s_first_answer_in_whole_lines
     write per line), and a later load gives each sample its first answer, whichever part it is in."""
     asked: Counter[tuple[int, ...]] = Counter()
     lock = threading.Lock()
+    # No answer until both processes ask (a prompt asked twice): a process that started late on a busy machine
+    # would otherwise find every answer written by the other and write no part of its own.
+    both_asking = threading.Event()
 
     def answer(body: dict) -> list[int]:
         with lock:
             asked[tuple(body["prompt"])] += 1
             n = asked[tuple(body["prompt"])]
+        if n == 2:
+            both_asking.set()
+        both_asking.wait(timeout=100)
         return [1000 + n] * 2500 + [tokenizer.eos_token_id]
 
     with json_endpoint("served-model", **answering(tokenizer, answer)) as server:
         config = _set(write_config(tmp_path, tiny_target_dir, [url(server)], concurrency=8, max_new_tokens=3000,
+                                   timeout_s=120,
                                    sources=["sharegpt_chats.jsonl", "openai_messages.jsonl", "alpaca_tasks.json"]),
                       **{"data.max_length": 4096})
         procs = [_regenerate_process(config) for _ in range(2)]
