@@ -29,9 +29,8 @@ from dflash_stream.drafter.served import (
     parse_counters,
     per_position_from_histogram,
     served_notes,
-    vllm_error,
 )
-from dflash_stream.regenerate.servers import VLLM_VENV
+from dflash_stream.regenerate.servers import VLLM_VENV, LocalServer, ServerError, vllm_error
 from dflash_stream.target_model.shape import shape_from_config
 
 VLLM_SITE = next((Path(__file__).resolve().parents[1] / VLLM_VENV).glob("lib/python3*/site-packages/vllm"),
@@ -100,6 +99,25 @@ def test_vllms_own_error_is_quoted():
                "    For further information visit https://errors.pydantic.dev/2.14/v/value_error\n")
     assert vllm_error(refused) == ("ValidationError: Model Runner V1 does not support: mixed sliding/full dflash "
                                    "drafts")
+
+
+def test_a_server_that_exits_leads_with_vllms_reason_and_what_it_means(tmp_path):
+    """vLLM's model of GLM-4 MoE (and Gemma 3) has no auxiliary states: its engine dies at start with that cause
+    forty lines above the last; the error's first line gives it, and says that such a target extracts with hf."""
+    log = tmp_path / "vllm.log"
+    log.write_text("(Worker pid=7707) ERROR 12-06 [multiproc_executor.py:953] RuntimeError: Model does not support "
+                   "EAGLE3 interface but aux_hidden_state_outputs was requested\n" + "  File \"x.py\"\n" * 40
+                   + "RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}\n")
+    exits = tmp_path / "python"  # a "python" that leaves the log as it is and exits 1, as vLLM's did
+    exits.write_text("#!/bin/sh\nexit 1\n")
+    exits.chmod(0o755)
+    server = LocalServer("vllm", tmp_path / "model", log, python=exits)
+    server.start()
+    with pytest.raises(ServerError) as err:
+        server.wait_ready(30)
+    first = str(err.value).splitlines()[0]
+    assert first.startswith("the vllm server exited with 1: RuntimeError: Model does not support EAGLE3 interface")
+    assert "extract with extract.engine hf" in first and err.value.cause in first
 
 
 def test_speedup_above_tau_is_flagged_not_meaningful():

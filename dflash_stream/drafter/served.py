@@ -15,7 +15,6 @@ positions it counts must at least be the drafter's B-1).
 from __future__ import annotations
 
 import json
-import re
 import subprocess
 import time
 from dataclasses import dataclass
@@ -185,29 +184,6 @@ def served_notes(drafter_dir: str | Path, python: Path | None = None) -> dict[st
 # -- a vLLM server and the questions ------------------------------------------------------------------------------
 
 
-VLLM_GENERIC_ERRORS = ("Engine core initialization failed",)
-"""What vLLM's API server says after its engine process died: the cause is an earlier line."""
-
-
-def vllm_error(log_text: str) -> str | None:
-    """vLLM's own reason for not starting: the last `SomethingError: message` line of its log that is not a
-    generic follow-up, without the process prefix; for its config's pydantic ValidationError, the message of the
-    error's first `Value error, ...` line (the line above only counts the errors)."""
-    found: list[str] = []
-    lines = log_text.splitlines()
-    for index, line in enumerate(lines):
-        match = re.search(r"\b(\w+(?:Error|Exception)): (.+)$", line)
-        if not match:
-            continue
-        message = match.group(2).strip()
-        detail = re.search(r"Value error, (.+?)(?: \[type=|$)", lines[index + 1]) if index + 1 < len(lines) else None
-        if match.group(1) == "ValidationError" and detail:
-            message = detail.group(1).strip()
-        found.append(f"{match.group(1)}: {message}")
-    specific = [f for f in found if not any(g in f for g in VLLM_GENERIC_ERRORS)]
-    return (specific or found or [None])[-1]
-
-
 @dataclass
 class ServedEval:
     """What `vllm_eval` needs besides the drafter: the target, its rendered prompts and its own greedy answers."""
@@ -268,7 +244,7 @@ def vllm_eval(job: ServedEval, drafter_dir: str | Path, block_size: int, max_new
             server.start()
             server.wait_ready(startup_timeout_s)
         except ServerError as err:
-            reason = vllm_error(server.log_tail(400)) or str(err).splitlines()[0]
+            reason = err.cause or str(err).splitlines()[0]
             log.warning("eval: vLLM did not serve the drafter: %s", reason)
             return {"error": reason, "log": str(log_path)}
         startup = time.perf_counter() - started

@@ -38,8 +38,48 @@ KV_BYTES_PER_VALUE = 4
 """float32 KV cache, as the servers run the target in float32 on CPU like hf does."""
 
 
+VLLM_GENERIC_ERRORS = ("Engine core initialization failed",)
+"""What vLLM's API server says after its engine process died: the cause is an earlier line."""
+
+
+def vllm_error(log_text: str) -> str | None:
+    """vLLM's own reason for not starting: the last `SomethingError: message` line of its log that is not a
+    generic follow-up, without the process prefix; for its config's pydantic ValidationError, the message of the
+    error's first `Value error, ...` line (the line above only counts the errors)."""
+    found: list[str] = []
+    lines = log_text.splitlines()
+    for index, line in enumerate(lines):
+        match = re.search(r"\b(\w+(?:Error|Exception)): (.+)$", line)
+        if not match:
+            continue
+        message = match.group(2).strip()
+        detail = re.search(r"Value error, (.+?)(?: \[type=|$)", lines[index + 1]) if index + 1 < len(lines) else None
+        if match.group(1) == "ValidationError" and detail:
+            message = detail.group(1).strip()
+        found.append(f"{match.group(1)}: {message}")
+    specific = [f for f in found if not any(g in f for g in VLLM_GENERIC_ERRORS)]
+    return (specific or found or [None])[-1]
+
+
+NO_AUX_STATES = "does not support EAGLE3 interface but aux_hidden_state_outputs was requested"
+"""vLLM's words when its model of the target's architecture cannot return the hidden states of chosen layers."""
+
+
+def explained(cause: str) -> str:
+    """vLLM's reason with what it means for this project where that is not obvious from vLLM's own words."""
+    if NO_AUX_STATES in cause:
+        return (f"{cause} (vLLM's model of this architecture returns no intermediate layers' states: vLLM can "
+                "neither hand them to the extractors, extract.engine vllm, nor serve a DFlash drafter for this "
+                "target; extract with extract.engine hf; docs/engines.md lists the families)")
+    return cause
+
+
 class ServerError(DFlashError):
-    """A local server did not start."""
+    """A local server did not start; `cause`: the server's own reason, where its log gives one."""
+
+    def __init__(self, message: str, cause: str | None = None) -> None:
+        super().__init__(message)
+        self.cause = cause
 
 
 def vllm_python() -> Path:
@@ -156,7 +196,10 @@ class LocalServer:
         started = time.monotonic()
         while time.monotonic() - started < timeout_s:
             if self.process is not None and self.process.poll() is not None:
-                raise ServerError(f"the {self.kind} server exited with {self.process.returncode}:\n{self.log_tail()}")
+                cause = vllm_error(self.log_tail(400)) if self.kind == "vllm" else None
+                cause = explained(cause) if cause else None
+                raise ServerError(f"the {self.kind} server exited with {self.process.returncode}"
+                                  f"{f': {cause}' if cause else ''}\n{self.log_tail()}", cause)
             try:
                 if httpx.get(f"{self.url}/models", timeout=2.0).status_code == 200:
                     return time.monotonic() - started
