@@ -74,6 +74,11 @@ VARIANTS: dict[str, Variant] = {
     # vLLM's CPU build runs Gated-DeltaNet in bf16 only ("CPU GDN attention requires BF16").
     "qwen3_5_text": Variant("qwen3_5_text", dtype="bfloat16", note="Gated-DeltaNet hybrid, bf16"),
     "qwen3_5": Variant("qwen3_5", dtype="bfloat16", note="Gated-DeltaNet hybrid, VLM wrapper, bf16"),
+    "qwen3_5_moe": Variant("qwen3_5_moe", dtype="bfloat16", note="Gated-DeltaNet hybrid MoE, VLM wrapper, bf16"),
+    "qwen3_next": Variant("qwen3_next", dtype="bfloat16", note="Gated-DeltaNet hybrid MoE, bf16"),
+    "mistral": Variant("mistral"),
+    "deepseek_v3": Variant("deepseek_v3", note="multi-head latent attention, MoE"),
+    "glm4_moe": Variant("glm4_moe"),
 }
 DEMO = "demo"
 SERVED_NOTES = {"embedding": "vLLM embeds unscaled",

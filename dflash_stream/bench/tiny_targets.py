@@ -20,16 +20,16 @@ GDN = {"linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_
        "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4, "full_attention_interval": 3}
 WINDOW = 16  # sliding windows far shorter than the prompts, so that eval must roll windowed caches back
 SERVED = {"hidden_size": 128, "head_dim": 32, "global_head_dim": 64, "linear_key_head_dim": 128,
-          "linear_value_head_dim": 128}
+          "linear_value_head_dim": 128, "kv_lora_rank": 512, "qk_rope_head_dim": 64}
 """Wider heads for the targets served with vLLM: its CPU attention takes head sizes 32 to 512 only, its CPU
-Gated-DeltaNet kernel ("Unexpected head dim size, 32") the real models' 128."""
+Gated-DeltaNet kernel ("Unexpected head dim size, 32") the real models' 128, its CPU latent attention (MLA) the
+DeepSeek latent of 512 + 64 only ("Head dimension 32 is not supported by MLA")."""
 
 
-IMAGE_PROCESSORS = {
-    "qwen3_5": {"image_processor_type": "Qwen2VLImageProcessor", "processor_class": "Qwen3VLProcessor",
-                "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
-                "size": {"shortest_edge": 65536, "longest_edge": 16777216}},
-}
+QWEN_VL_PROCESSOR = {"image_processor_type": "Qwen2VLImageProcessor", "processor_class": "Qwen3VLProcessor",
+                     "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
+                     "size": {"shortest_edge": 65536, "longest_edge": 16777216}}
+IMAGE_PROCESSORS = {"qwen3_5": QWEN_VL_PROCESSOR, "qwen3_5_moe": QWEN_VL_PROCESSOR}
 """The image processor a wrapper's hub checkpoint carries (the sizes come from its vision config)."""
 
 
@@ -58,7 +58,9 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "deepseek_v3": ("deepseek_v3", {**_drop(TEXT, "head_dim"), "num_key_value_heads": 4, "n_routed_experts": 4, "num_experts_per_tok": 2,
                                     "moe_intermediate_size": 32, "first_k_dense_replace": 1, "n_group": 1,
                                     "topk_group": 1, "kv_lora_rank": 16, "q_lora_rank": 32,
-                                    "qk_rope_head_dim": 16, "qk_nope_head_dim": 32, "v_head_dim": 32}),
+                                    "qk_rope_head_dim": 16, "qk_nope_head_dim": 32, "v_head_dim": 32,
+                                    # as the hub's config.json has them (vLLM builds the router's bias from them)
+                                    "topk_method": "noaux_tc", "scoring_func": "sigmoid"}),
     "qwen3_5": ("qwen3_5", {"text_config": {**TEXT, **GDN}, "vision_config": {"depth": 1, "hidden_size": 32,
                             "intermediate_size": 32, "num_heads": 2, "out_hidden_size": 64}}),
     # As the hub's Qwen3.5/3.6-MoE configs: experts' and shared expert's widths, no dense `intermediate_size`.
@@ -90,6 +92,8 @@ def build_config(family: str, served: bool = False, vocab_size: int = VOCAB) -> 
     text = {**kwargs.get("text_config", kwargs), "vocab_size": vocab_size}
     if served:
         text.update({k: v for k, v in SERVED.items() if k in text or k in ("hidden_size", "head_dim")})
+        if "qk_rope_head_dim" in text:  # latent attention: transformers reads head_dim as the rotary part
+            text["head_dim"] = text["qk_rope_head_dim"]
     if "text_config" in kwargs:
         vision = kwargs["vision_config"]
         if served:
