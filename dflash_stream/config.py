@@ -81,6 +81,10 @@ class TargetConfig(Section):
     """Only for `plan` without the model at hand (the regeneration KV cache)."""
     num_parameters: float | None = Field(None, gt=0)
     """Only for `plan` without the model at hand: the target's parameter count (its weights' memory)."""
+    config_hints: dict[str, Any] = Field(default_factory=dict)
+    """Only for `plan` without the model at hand, with `target.model_type`: any more keys of that family's
+    transformers config, as its config.json has them (e.g. Gemma 4's `global_head_dim`,
+    `num_global_key_value_heads`, `attention_k_eq_v`, `layer_types`); each must be a key of that config."""
 
     @field_validator("device")
     @classmethod

@@ -99,5 +99,32 @@ def test_plan_hints_build_the_family_config_when_the_model_is_not_at_hand():
     assert bare.layer_type_counts == {"full_attention": 36} and bare.model_type == "unknown"
     with pytest.raises(ConfigError, match="target.model_type"):
         target_shape(TargetConfig(model="org/m", model_type="no_such_family", num_layers=2, hidden_size=8))
+    with pytest.raises(ConfigError, match="target.config_hints: global_head_dim not a key of transformers' "
+                                          "Qwen3_5TextConfig"):
+        target_shape(hints.model_copy(update={"config_hints": {"global_head_dim": 512}}))
+
+
+def test_config_hints_state_what_the_named_hints_cannot():
+    """Gemma 4's full layers have heads of their own, which no target.* hint names: `target.config_hints` takes
+    them, and plan sizes the caches from hints alone as from the config.json itself."""
+    from dflash_stream.bench.tiny_targets import GEMMA4
+
+    named = {"num_layers": 6, "hidden_size": 64, "vocab_size": 2048, "intermediate_size": 96,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}
+    extra = {k: GEMMA4[k] for k in ("layer_types", "global_head_dim", "num_global_key_value_heads",
+                                     "attention_k_eq_v", "sliding_window")}
+    hints = TargetConfig(model="google/gemma-4-31B-it", model_type="gemma4", config_hints=extra, **named)
+    shape = target_shape(hints, count=False)
+    assert shape.kv_elements_per_token == shape_from_config(build_config("gemma4_text"), "test").kv_elements_per_token
+    assert shape.layer_type_counts == {"sliding_attention": 4, "full_attention": 2} and shape.sliding_window == 16
+    without = target_shape(hints.model_copy(update={"config_hints": {}}), count=False)
+    assert without.kv_elements_per_token != shape.kv_elements_per_token
+    with pytest.raises(ConfigError, match="target.config_hints: global_head_dimm not a key of transformers' "
+                                          "Gemma4TextConfig"):  # a config would keep it as a stray attribute
+        target_shape(hints.model_copy(update={"config_hints": {**extra, "global_head_dimm": 512}}))
+    with pytest.raises(ConfigError, match="target.config_hints: needs target.model_type"):
+        target_shape(TargetConfig(model="org/m", num_layers=2, hidden_size=8, config_hints={"head_dim": 3}))
+    with pytest.raises(ConfigError, match="target.config_hints: hidden_size differ"):
+        target_shape(hints.model_copy(update={"config_hints": {**extra, "hidden_size": 128}}))
     with pytest.raises(ConfigError, match="target.num_layers"):
         target_shape(TargetConfig(model="org/m"))

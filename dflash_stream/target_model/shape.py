@@ -9,6 +9,7 @@ module. Plan, run, tune, the drafter spec, the memory model and eval all read th
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -229,6 +230,17 @@ def _embed_scale(tc: Any) -> float:
     return float(tc.hidden_size ** 0.5) if tc.model_type.startswith(("gemma", "recurrent_gemma")) else 1.0
 
 
+def _config_takes(default_text: Any, build: Callable[[dict[str, Any]], Any], hints: dict[str, Any], key: str) -> bool:
+    """Whether the family's config knows `key`: one of its own, or one it turns into others (Gemma 4's
+    `global_head_dim` becomes its per-layer config); any other key a config would keep as a stray attribute."""
+    if key in default_text.to_dict():
+        return True
+    with_key = build(hints).get_text_config().to_dict()
+    with_key.pop(key, None)
+    without = build({k: v for k, v in hints.items() if k != key}).get_text_config().to_dict()
+    return with_key != without
+
+
 def _shape_from_hints(t: TargetConfig) -> TargetShape:
     """`target.*` hints for plan without the model: a transformers config of `target.model_type` built from
     them (its layer pattern, heads and state sizes follow the family's rules), or the bare widths."""
@@ -237,15 +249,34 @@ def _shape_from_hints(t: TargetConfig) -> TargetShape:
              "num_key_value_heads": t.num_key_value_heads, "head_dim": t.head_dim,
              "linear_num_value_heads": t.linear_num_value_heads}
     hints = {k: v for k, v in hints.items() if v is not None}
+    if t.config_hints and not t.model_type:
+        raise ConfigError("target.config_hints: needs target.model_type (the family whose config takes them)")
     if t.model_type:
         from transformers import AutoConfig
 
         try:
             family = AutoConfig.for_model(t.model_type)
-            wrapped = family.get_text_config() is not family  # a VLM: the hints are its text_config
-            config = AutoConfig.for_model(t.model_type, **({"text_config": hints} if wrapped else hints))
         except ValueError as err:
             raise ConfigError(f"target.model_type: {err}".splitlines()[0]) from None
+        twice = sorted(k for k in hints.keys() & t.config_hints.keys() if hints[k] != t.config_hints[k])
+        if twice:
+            raise ConfigError(f"target.config_hints: {', '.join(twice)} differ from the target.* hints of the same "
+                              "name; give each once")
+        text = family.get_text_config()
+        wrapped = text is not family  # a VLM: the hints are its text_config
+
+        def build(keys: dict[str, Any]) -> Any:
+            try:
+                return AutoConfig.for_model(t.model_type, **({"text_config": keys} if wrapped else keys))
+            except (ValueError, TypeError) as err:
+                raise ConfigError(f"target.config_hints: {err}".splitlines()[0]) from None
+
+        hints = {**t.config_hints, **hints}
+        config = build(hints)
+        unknown = sorted(k for k in t.config_hints if not _config_takes(text, build, hints, k))
+        if unknown:
+            raise ConfigError(f"target.config_hints: {', '.join(unknown)} not a key of transformers' "
+                              f"{type(text).__name__} (target.model_type {t.model_type})")
         return shape_from_config(config, f"config hints (target.model_type {t.model_type}, target.num_layers, "
                                  "target.hidden_size, ...)", t.num_parameters)
     return TargetShape(
