@@ -9,7 +9,6 @@ module. Plan, run, tune, the drafter spec, the memory model and eval all read th
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -230,15 +229,10 @@ def _embed_scale(tc: Any) -> float:
     return float(tc.hidden_size ** 0.5) if tc.model_type.startswith(("gemma", "recurrent_gemma")) else 1.0
 
 
-def _config_takes(default_text: Any, build: Callable[[dict[str, Any]], Any], hints: dict[str, Any], key: str) -> bool:
-    """Whether the family's config knows `key`: one of its own, or one it turns into others (Gemma 4's
-    `global_head_dim` becomes its per-layer config); any other key a config would keep as a stray attribute."""
-    if key in default_text.to_dict():
-        return True
-    with_key = build(hints).get_text_config().to_dict()
-    with_key.pop(key, None)
-    without = build({k: v for k, v in hints.items() if k != key}).get_text_config().to_dict()
-    return with_key != without
+def _config_takes(default_text: Any, built_text: Any, key: str) -> bool:
+    """Whether the family's config knows `key`: one of its own, or one it consumes into others (Gemma 4's
+    `global_head_dim` becomes its per-layer config); a config keeps any other key as a stray attribute."""
+    return key in default_text.to_dict() or key not in built_text.to_dict()
 
 
 def _shape_from_hints(t: TargetConfig) -> TargetShape:
@@ -265,15 +259,12 @@ def _shape_from_hints(t: TargetConfig) -> TargetShape:
         text = family.get_text_config()
         wrapped = text is not family  # a VLM: the hints are its text_config
 
-        def build(keys: dict[str, Any]) -> Any:
-            try:
-                return AutoConfig.for_model(t.model_type, **({"text_config": keys} if wrapped else keys))
-            except (ValueError, TypeError) as err:
-                raise ConfigError(f"target.config_hints: {err}".splitlines()[0]) from None
-
         hints = {**t.config_hints, **hints}
-        config = build(hints)
-        unknown = sorted(k for k in t.config_hints if not _config_takes(text, build, hints, k))
+        try:
+            config = AutoConfig.for_model(t.model_type, **({"text_config": hints} if wrapped else hints))
+        except (ValueError, TypeError) as err:
+            raise ConfigError(f"target.config_hints: {err}".splitlines()[0]) from None
+        unknown = sorted(k for k in t.config_hints if not _config_takes(text, config.get_text_config(), k))
         if unknown:
             raise ConfigError(f"target.config_hints: {', '.join(unknown)} not a key of transformers' "
                               f"{type(text).__name__} (target.model_type {t.model_type})")
