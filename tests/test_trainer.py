@@ -454,8 +454,8 @@ def test_segments_smaller_than_a_batch_still_make_full_batches(tmp_path, target_
 
 def test_training_goes_on_while_a_checkpoint_is_written_and_its_release_waits_until_it_is_durable(
         tmp_path, target_dir, samples, monkeypatch):
-    """train.async_checkpoint: each rank's part is written by a thread that here holds back until training took
-    two more steps (or 2 s passed); every release comes after the checkpoint recording it is COMPLETE, and only
+    """train.async_checkpoint: each rank's part is written by a thread that here holds the first checkpoint's back
+    until training took two more steps (a slow disk; 60 s at most); every release comes after the checkpoint recording it is COMPLETE, and only
     the uses that checkpoint records as finished are released. Written synchronously, no step could be taken
     while a write is pending."""
     cfg = make_config(tmp_path, target_dir, epochs=2, checkpoint_every=3, release="after_checkpoint")
@@ -466,8 +466,8 @@ def test_training_goes_on_while_a_checkpoint_is_written_and_its_release_waits_un
     releases: list[tuple[int, int]] = []  # (latest complete checkpoint, trainer step) at each release
 
     def slow_write_part(output_dir, step, rank, **parts):
-        deadline = time.monotonic() + 2
-        while trainer.steps < step + 2 and time.monotonic() < deadline:
+        deadline = time.monotonic() + 60
+        while not writes and trainer.steps < step + 2 and time.monotonic() < deadline:
             time.sleep(0.01)
         writes.append((step, trainer.steps))
         return real_write_part(output_dir, step, rank, **parts)

@@ -693,10 +693,11 @@ def train_command(args: argparse.Namespace) -> int:
         trainer.close()
         metrics.close()
         lease.release_all()
-    # Left to interpreter exit, a trainer that finished before rank 0 (still exporting) can abort in gloo's
-    # teardown ("terminate called without an active exception", exit -6) after a successful run.
-    if dist.is_initialized():
-        dist.destroy_process_group()
+        # Left to interpreter exit, a trainer that ended before another (rank 0 still exporting, or both
+        # stopping on the same error) can abort in gloo's teardown ("terminate called without an active
+        # exception", exit -6).
+        if dist.is_initialized():
+            dist.destroy_process_group()
     if finished:
         return 0
     # Stopped by a signal (here or on another trainer): exit the way a shell reports death by it.
