@@ -164,13 +164,31 @@ def context_keys_note(num_layers: int) -> str:
             "row by row and this build does not): its tau is not the tau vLLM gives on a GPU")
 
 
-def served_notes(drafter_dir: str | Path, python: Path | None = None) -> dict[str, str]:
-    """Where vLLM serves the export otherwise than it was trained, by kind: `embedding` (`drafter_embedding_note`)
-    and, with `python` (the local vLLM's), `context_keys` (`context_keys_note`, for 2 drafter layers or more)."""
+def sliding_target_note(target: TargetConfig) -> str | None:
+    """For a target whose every layer is sliding-window: vLLM's τ falls below ours once sequences pass the window
+    (a tiny Mistral of window 16: -10.9 %; the same with a window past every sequence, or gpt-oss, whose sliding
+    layers alternate with full ones: equal; docs/engines.md)."""
+    from dflash_stream.target_model.shape import SLIDING, target_shape
+
+    shape = target_shape(target, count=False)
+    if set(shape.layer_types) != {SLIDING}:
+        return None
+    return (f"every layer of the target is sliding-window (window {shape.sliding_window}): vLLM's tau for such a "
+            "target falls below our loop's once sequences pass the window (-10.9 % on a tiny Mistral, "
+            "docs/engines.md); vLLM's is the figure a server gives")
+
+
+def served_notes(drafter_dir: str | Path, python: Path | None = None, target: TargetConfig | None = None
+                 ) -> dict[str, str]:
+    """Where vLLM serves the export otherwise than it was trained, by kind: `embedding` (`drafter_embedding_note`),
+    with `python` (the local vLLM's) `context_keys` (`context_keys_note`, for 2 drafter layers or more), and with
+    `target` `sliding_target` (`sliding_target_note`)."""
     notes: dict[str, str] = {}
     embedding = drafter_embedding_note(drafter_dir)
     if embedding:
         notes["embedding"] = embedding
+    if target is not None and (sliding := sliding_target_note(target)):
+        notes["sliding_target"] = sliding
     layers = spec_from_zlab_config(json.loads((Path(drafter_dir) / CONFIG).read_text())).num_layers
     if python is not None and layers > 1:
         per_row = stacked_norm_per_row(python)
@@ -213,7 +231,7 @@ def vllm_eval(job: ServedEval, drafter_dir: str | Path, block_size: int, max_new
     from dflash_stream.target_model.loading import resolve_dtype
 
     if endpoint is not None:  # a server elsewhere, on a device this process cannot probe
-        notes = served_notes(drafter_dir)
+        notes = served_notes(drafter_dir, target=job.target)
         for note in notes.values():
             log.warning("eval: %s", note)
         entry = _ask(job, endpoint, block_size, max_new_tokens)
@@ -223,7 +241,7 @@ def vllm_eval(job: ServedEval, drafter_dir: str | Path, block_size: int, max_new
     if not python.exists():
         raise ConfigError(f"eval --engine vllm: {python} not found; make vLLM's environment with `make vllm-env`, "
                           "or give --endpoint of a vLLM server serving this drafter")
-    notes = served_notes(drafter_dir, python)
+    notes = served_notes(drafter_dir, python, job.target)
     for note in notes.values():
         log.warning("eval: %s", note)
     import torch
