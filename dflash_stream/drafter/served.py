@@ -170,7 +170,7 @@ def sliding_target_note(target: TargetConfig) -> str | None:
     layers alternate with full ones: equal; docs/engines.md)."""
     from dflash_stream.target_model.shape import SLIDING, target_shape
 
-    shape = target_shape(target, count=False)
+    shape = target_shape(target, download=True, count=False)  # eval has loaded the target: its config is here
     if set(shape.layer_types) != {SLIDING}:
         return None
     return (f"every layer of the target is sliding-window (window {shape.sliding_window}): vLLM's tau for such a "

@@ -254,16 +254,15 @@ def _shape_from_hints(t: TargetConfig) -> TargetShape:
             raise ConfigError(f"target.model_type: {err}".splitlines()[0]) from None
         twice = sorted(k for k in hints.keys() & t.config_hints.keys() if hints[k] != t.config_hints[k])
         if twice:
-            raise ConfigError(f"target.config_hints: {', '.join(twice)} differ from the target.* hints of the same "
-                              "name; give each once")
+            raise ConfigError(f"target.config_hints: {', '.join(twice)} set otherwise by a target.* hint; give "
+                              "each once")
         text = family.get_text_config()
         wrapped = text is not family  # a VLM: the hints are its text_config
-
         hints = {**t.config_hints, **hints}
         try:
             config = AutoConfig.for_model(t.model_type, **({"text_config": hints} if wrapped else hints))
         except (ValueError, TypeError) as err:
-            raise ConfigError(f"target.config_hints: {err}".splitlines()[0]) from None
+            raise ConfigError(f"target.* hints of model_type {t.model_type}: {err}".splitlines()[0]) from None
         unknown = sorted(k for k in t.config_hints if not _config_takes(text, config.get_text_config(), k))
         if unknown:
             raise ConfigError(f"target.config_hints: {', '.join(unknown)} not a key of transformers' "
