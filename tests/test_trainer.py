@@ -454,10 +454,10 @@ def test_segments_smaller_than_a_batch_still_make_full_batches(tmp_path, target_
 
 def test_training_goes_on_while_a_checkpoint_is_written_and_its_release_waits_until_it_is_durable(
         tmp_path, target_dir, samples, monkeypatch):
-    """train.async_checkpoint: each rank's part is written by a thread that here holds the first checkpoint's back
-    until training took two more steps (a slow disk; 60 s at most); every release comes after the checkpoint recording it is COMPLETE, and only
-    the uses that checkpoint records as finished are released. Written synchronously, no step could be taken
-    while a write is pending."""
+    """train.async_checkpoint: each rank's part is written by a thread that here holds the first checkpoint's
+    write back until training took two more steps (a slow disk; 60 s at most); every release comes after the
+    checkpoint recording it is COMPLETE, and only the uses that checkpoint records as finished are released.
+    Written synchronously, no step could be taken while a write is pending."""
     cfg = make_config(tmp_path, target_dir, epochs=2, checkpoint_every=3, release="after_checkpoint")
     store = fill_store(cfg, samples[:30])
     trainer = new_trainer(cfg)

@@ -171,13 +171,14 @@ def bf16_error(store_path: Path, target: Path, layer_ids: list[int]) -> tuple[di
 def test_hybrid_targets_states_equal_the_extractors_own_capture(family, vllm_extraction_server, demo_tokenizer_dir,
                                                                 tmp_path):
     """The headlines' Gated-DeltaNet hybrids (the 27B bare and in its VLM wrapper; the 122B-A10B's MoE in its
-    wrapper), served by vLLM's CPU build when it can
-    (its qwen3_5 module imports the Qwen-VL image processor, which needs torchvision: `make vllm-env` gives it one,
-    docs/vllm-extraction.md). That build runs Gated-DeltaNet in bf16 only ("CPU GDN attention requires BF16"), so server and
-    extractor run the target in bf16, and the bar is bf16's own: per layer, vLLM's states are as close to the
-    float32 capture as the extractor's own bf16 capture is (mean relative difference within 1.25x of ours; measured
-    on qwen3_5_text: 0.37-0.61 % against ours 0.38-0.63 %; qwen3_5_moe: 0.31-0.67 % against 0.32-0.61 %). Prefix caching is off (`local_serving_args`): with it,
-    vLLM keeps a hybrid's recurrent state per cache block by a Triton kernel, which the CPU build lacks."""
+    wrapper), served by vLLM's CPU build when it can (its qwen3_5 module imports the Qwen-VL image processor,
+    which needs torchvision: `make vllm-env` gives it one, docs/vllm-extraction.md). That build runs
+    Gated-DeltaNet in bf16 only ("CPU GDN attention requires BF16"), so server and extractor run the target in
+    bf16, and the bar is bf16's own: per layer, vLLM's states are as close to the float32 capture as the
+    extractor's own bf16 capture is (mean relative difference within 1.25x of ours; measured on qwen3_5_text:
+    0.37-0.61 % against ours 0.38-0.63 %; qwen3_5_moe: 0.31-0.67 % against 0.32-0.61 %). Prefix caching is off
+    (`local_serving_args`): with it, vLLM keeps a hybrid's recurrent state per cache block by a Triton kernel,
+    which the CPU build lacks."""
     missing = _vllm_loads("vllm.model_executor.models.qwen3_5")
     if missing:
         pytest.skip(f"vLLM's CPU build cannot load {family}: {missing}")
