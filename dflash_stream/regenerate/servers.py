@@ -196,10 +196,12 @@ class LocalServer:
         started = time.monotonic()
         while time.monotonic() - started < timeout_s:
             if self.process is not None and self.process.poll() is not None:
-                cause = vllm_error(self.log_tail(400)) if self.kind == "vllm" else None
+                tail = self.log_tail(400)  # vLLM's cause can be far above its last lines
+                cause = vllm_error(tail) if self.kind == "vllm" else None
                 cause = explained(cause) if cause else None
+                last = "\n".join(tail.splitlines()[-30:])
                 raise ServerError(f"the {self.kind} server exited with {self.process.returncode}"
-                                  f"{f': {cause}' if cause else ''}\n{self.log_tail()}", cause)
+                                  f"{f': {cause}' if cause else ''}\n{last}", cause)
             try:
                 if httpx.get(f"{self.url}/models", timeout=2.0).status_code == 200:
                     return time.monotonic() - started
