@@ -83,7 +83,8 @@ VARIANTS: dict[str, Variant] = {
 DEMO = "demo"
 SERVED_NOTES = {"embedding": "vLLM embeds unscaled",
                 "context_keys": "vLLM's rms_norm gives every layer's context keys layer 0's k_norm",
-                "sliding_target": "every target layer sliding-window: vLLM's tau lower"}
+                "sliding_target": "every target layer sliding, the full drafter layers' window unnamed: vLLM's tau "
+                                  "lower"}
 """The table's short form of each kind of `served.served_notes`."""
 
 

@@ -79,7 +79,8 @@ def zlab_config(spec: DrafterSpec, dtype: torch.dtype = torch.bfloat16) -> dict[
         "block_size": spec.block_size,
         "num_target_layers": spec.num_target_layers,
         "dflash_config": {"mask_token_id": spec.mask_token_id, "target_layer_ids": list(spec.target_layer_ids),
-                          **_embedding_scale(spec), **(_dflash2_fields(spec) if dflash2 else {})},
+                          **_embedding_scale(spec), **_full_layer_window(spec),
+                          **(_dflash2_fields(spec) if dflash2 else {})},
         **({} if dflash2 else {"auto_map": AUTO_MAP}),
     }
 
@@ -88,6 +89,15 @@ def _embedding_scale(spec: DrafterSpec) -> dict[str, float]:
     """The target's embedding scale under the name vLLM's DFlash2 reads (its DFlash model, SGLang and z-lab's code
     ignore it: they get the scale from the target's embedding module, or not at all; `docs/engines.md`)."""
     return {} if spec.embed_scale == 1.0 else {"input_embedding_scale": spec.embed_scale}
+
+
+def _full_layer_window(spec: DrafterSpec) -> dict[str, Any]:
+    """The full layers' window under the names vLLM's DFlash model reads (`use_swa` puts every layer on
+    `swa_window_size`, `causal` keeps them non-causal), where the target's every layer slides
+    (`DrafterSpec.full_layer_window`); SGLang and z-lab's code read `layer_types` and ignore these."""
+    if spec.full_layer_window is None:
+        return {}
+    return {"use_swa": True, "swa_window_size": spec.full_layer_window, "causal": False}
 
 
 def _dflash2_fields(spec: DrafterSpec) -> dict[str, Any]:

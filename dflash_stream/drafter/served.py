@@ -27,7 +27,7 @@ from safetensors import safe_open
 
 from dflash_stream.config import ConfigError, GenerationConfig, TargetConfig
 from dflash_stream.drafter.export import CONFIG, OWN_EMBEDDING, WEIGHTS, vllm_embedding_note
-from dflash_stream.drafter.spec import spec_from_zlab_config
+from dflash_stream.drafter.spec import DrafterSpec, reach, spec_from_zlab_config
 from dflash_stream.errors import DFlashError
 from dflash_stream.log import get_logger
 
@@ -164,18 +164,24 @@ def context_keys_note(num_layers: int) -> str:
             "row by row and this build does not): its tau is not the tau vLLM gives on a GPU")
 
 
-def sliding_target_note(target: TargetConfig) -> str | None:
-    """For a target whose every layer is sliding-window: vLLM's τ falls below ours once sequences pass the window
-    (a tiny Mistral of window 16: -10.9 %; the same with a window past every sequence, or gpt-oss, whose sliding
-    layers alternate with full ones: equal; docs/engines.md)."""
-    from dflash_stream.target_model.shape import SLIDING, target_shape
+def sliding_target_note(target: TargetConfig, spec: DrafterSpec) -> str | None:
+    """For a target whose every layer slides and a drafter whose full layers name no window of their own (exported
+    before `DrafterSpec.full_layer_window`, or mixing full and sliding layers): vLLM gives those layers the
+    target's window, and its τ falls below ours once sequences pass it (a tiny Mistral of window 16: -10.9 %;
+    docs/engines.md)."""
+    from dflash_stream.target_model.shape import FULL, SLIDING, target_shape
 
+    if FULL not in spec.layer_types or spec.full_layer_window is not None:
+        return None
     shape = target_shape(target, download=True, count=False)  # eval has loaded the target: its config is here
     if set(shape.layer_types) != {SLIDING}:
         return None
-    return (f"every layer of the target is sliding-window (window {shape.sliding_window}): vLLM's tau for such a "
-            "target falls below our loop's once sequences pass the window (-10.9 % on a tiny Mistral, "
-            "docs/engines.md); vLLM's is the figure a server gives")
+    fix = ("" if SLIDING in spec.layer_types else
+           f"; \"use_swa\": true, \"swa_window_size\": {reach(spec.max_position_embeddings, spec.rope_scaling)}, "
+           "\"causal\": false in its config.json's dflash_config name their window (exports write them now)")
+    return (f"every layer of the target is sliding-window (window {shape.sliding_window}) and this export's "
+            "full-attention layers name no window: vLLM gives them the target's, so its tau falls below our loop's "
+            f"once sequences pass it (-10.9 % on a tiny Mistral, docs/engines.md){fix}")
 
 
 def served_notes(drafter_dir: str | Path, python: Path | None = None, target: TargetConfig | None = None
@@ -187,9 +193,10 @@ def served_notes(drafter_dir: str | Path, python: Path | None = None, target: Ta
     embedding = drafter_embedding_note(drafter_dir)
     if embedding:
         notes["embedding"] = embedding
-    if target is not None and (sliding := sliding_target_note(target)):
+    spec = spec_from_zlab_config(json.loads((Path(drafter_dir) / CONFIG).read_text()))
+    if target is not None and (sliding := sliding_target_note(target, spec)):
         notes["sliding_target"] = sliding
-    layers = spec_from_zlab_config(json.loads((Path(drafter_dir) / CONFIG).read_text())).num_layers
+    layers = spec.num_layers
     if python is not None and layers > 1:
         per_row = stacked_norm_per_row(python)
         if per_row is None:

@@ -4,6 +4,7 @@ a z-lab drafter's `config.json` (`spec_from_zlab_config`, what `drafter.init_fro
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -61,6 +62,10 @@ class DrafterSpec:
     """One of LAYER_TYPES per drafter layer; None (spec files written before layer types) means all full."""
     sliding_window: int | None = None
     """Keys a sliding layer's query sees, itself included; None without sliding layers."""
+    full_layer_window: int | None = None
+    """A window past every position (`reach`) that the export names for the full-attention layers
+    when every layer of the target slides: vLLM gives a drafter layer that names no window the target's, which
+    would cut those layers' context to it (`vllm_names_full_windows`). None elsewhere."""
     embed_scale: float = 1.0
     """The scale the target applies inside its embedding module (Gemma: √hidden), which the drafter's inputs were
     trained with: an engine that embeds without it serves the drafter wrongly (`docs/engines.md`); vLLM's DFlash2
@@ -143,6 +148,20 @@ def target_rope(shape: TargetShape, layer_type: str = "full_attention") -> tuple
     return theta, {"rope_type": rope_type, **{k: v for k, v in params.items() if k not in drop}}
 
 
+def vllm_names_full_windows(tc: TargetShape, layer_types: list[str]) -> bool:
+    """Whether the export must name its full layers' window for vLLM: where every target layer slides, vLLM sets
+    the target's window as the default of every attention layer (`CacheConfig.sliding_window`) and its DFlash model
+    leaves a full layer's unset, so they would attend to the target's last window only (a tiny Mistral of window
+    16: τ -10.9 %, docs/engines.md). A drafter that mixes both kinds cannot be helped so: vLLM then reads its
+    layer_types alone."""
+    return bool(tc.layer_types) and set(tc.layer_types) == {SLIDING} and SLIDING not in layer_types
+
+
+def reach(positions: int, rope_scaling: dict[str, Any] | None) -> int:
+    """The longest sequence a server may run the drafter on: its positions, times a RoPE scaling's factor."""
+    return positions * math.ceil(float((rope_scaling or {}).get("factor", 1.0)))
+
+
 def default_mask_token_id(tokenizer: Any, vocab_size: int) -> int:
     """The tokenizer's mask token; else the first embedding row no token uses (what z-lab uses for Qwen3,
     whose embedding is padded past the tokenizer); else the unknown/pad/eos token, whose row the target has."""
@@ -168,14 +187,33 @@ def _layout(config: dict[str, Any]) -> tuple[list[str], int | None]:
     types = config.get("layer_types") or [
         SLIDING if window is not None and i >= config.get("max_window_layers", 28) else FULL for i in range(n)
     ]
-    causal = config.get("is_causal")
-    # z-lab's dflash: `is_causal` unset makes sliding layers causal and full layers not; set, it forces all.
+    _check_causality(types, config.get("is_causal"), "is_causal")
+    _check_causality(types, config.get("dflash_config", {}).get("causal"), "dflash_config.causal")
+    return list(types), window if SLIDING in types else None
+
+
+def _check_causality(types: list[str], causal: Any, key: str) -> None:
+    # z-lab's dflash: causality unset makes sliding layers causal and full layers not; set, it forces all.
     if causal is not None and any((t == SLIDING) != bool(causal) for t in types):
         raise ConfigError(
-            f"a DFlash config with is_causal={causal} and layer_types {types} is not supported: dflash-stream's "
+            f"a DFlash config with {key}={causal} and layer_types {types} is not supported: dflash-stream's "
             "drafter has causal sliding layers and non-causal full layers (z-lab's default, is_causal unset)"
         )
-    return list(types), window if SLIDING in types else None
+
+
+def _full_layer_window(config: dict[str, Any], types: list[str]) -> int | None:
+    """The window an export names for its full layers (`DrafterSpec.full_layer_window`); a window that cuts
+    their context (dflash_config.use_swa, as MiMo's drafters use it) is refused."""
+    dflash = config["dflash_config"]
+    if not dflash.get("use_swa"):
+        return None
+    window = dflash.get("swa_window_size", config.get("sliding_window"))
+    if SLIDING in types or window is None or window < config["max_position_embeddings"]:
+        raise ConfigError(
+            f"a DFlash config with dflash_config.use_swa and a window of {window} (layer_types {types}) is not "
+            "supported: dflash-stream's full-attention layers see the whole context"
+        )
+    return int(window)
 
 
 def _rope_scaling(config: dict[str, Any]) -> dict[str, Any] | None:
@@ -221,6 +259,7 @@ def spec_from_zlab_config(config: dict[str, Any]) -> DrafterSpec:
         rope_scaling=_rope_scaling(config),
         layer_types=layer_types,
         sliding_window=window,
+        full_layer_window=_full_layer_window(config, layer_types),
         embed_scale=float(dflash.get("input_embedding_scale", 1.0)),
         kind=kind,
         **dflash2,
@@ -304,6 +343,8 @@ def build_spec(cfg: Config, tc: TargetShape, layer_ids: list[int], tokenizer: An
         )
     # A drafter to continue keeps the RoPE it was trained with; a new one copies the target's.
     theta, scaling = (init.rope_theta, init.rope_scaling) if init is not None else target_rope(tc)
+    positions = _first(from_init("max_position_embeddings"), getattr(tc.config, "max_position_embeddings", None),
+                       32768)
     return DrafterSpec(
         hidden_size=hidden,
         intermediate_size=intermediate,
@@ -318,12 +359,11 @@ def build_spec(cfg: Config, tc: TargetShape, layer_ids: list[int], tokenizer: An
         mask_token_id=mask,
         target_layer_ids=list(layer_ids),
         num_target_layers=tc.num_layers,
-        max_position_embeddings=_first(
-            from_init("max_position_embeddings"), getattr(tc.config, "max_position_embeddings", None), 32768
-        ),
+        max_position_embeddings=positions,
         rope_scaling=scaling,
         layer_types=layer_types,
         sliding_window=window,
+        full_layer_window=reach(positions, scaling) if vllm_names_full_windows(tc, layer_types) else None,
         embed_scale=tc.embed_scale,
         kind=d.kind,
         **dflash2,
