@@ -488,8 +488,8 @@ class RolesConfig(Section):
         return world_size - trainers, trainers
 
 
-EVAL_ENGINES = ("ours", "vllm")
-"""Where `eval` measures τ: our own decoding loop, or also vLLM serving the export (`docs/engines.md`)."""
+EVAL_ENGINES = ("ours", "vllm", "sglang")
+"""Where `eval` measures τ: our own decoding loop, or also vLLM or SGLang serving the export (`docs/engines.md`)."""
 
 
 class EvalConfig(Section):
@@ -499,16 +499,30 @@ class EvalConfig(Section):
     num_prompts: int | None = Field(None, ge=1)
     engine: Literal[EVAL_ENGINES] = "ours"
     """ours: our own decoding loop (transformers); vllm: also the exported drafter served as vLLM's DFlash
-    speculator, its τ beside ours (`docs/engines.md`): a local server from .venv-vllm, or `endpoint`."""
+    speculator, its τ beside ours (`docs/engines.md`): a local server from .venv-vllm, or `endpoint`; sglang:
+    the same from the SGLang server at `endpoint`."""
     endpoint: str | None = None
-    """A vLLM server the user started with the exported drafter as its speculator (base URL such as
-    http://host:8000/v1), idle while the eval runs; it implies engine vllm, and only with it does `run`'s own
-    end-of-run eval ask an engine."""
+    """A vLLM (idle while the eval runs) or SGLang server the user started with the exported drafter as its
+    speculator (base URL such as http://host:8000/v1); it implies engine vllm unless engine is sglang, and only
+    with it does `run`'s own end-of-run eval ask an engine."""
 
     @field_validator("endpoint")
     @classmethod
     def _endpoint(cls, v: str | None) -> str | None:
         return None if v is None else endpoint_base_url(v)
+
+    @model_validator(mode="after")
+    def _served_engine(self) -> EvalConfig:
+        served_engine(self.engine, self.endpoint)
+        return self
+
+
+def served_engine(engine: str, endpoint: str | None) -> str:
+    """The engine `eval` asks: an endpoint without an engine named is vLLM's; SGLang is only asked at one."""
+    if engine == "sglang" and endpoint is None:
+        raise ValueError("eval.engine sglang needs eval.endpoint (--endpoint): the base URL of an SGLang server "
+                         "serving the drafter (dflash-stream starts no SGLang server)")
+    return "vllm" if endpoint is not None and engine == "ours" else engine
 
 
 class MetricsConfig(Section):

@@ -15,12 +15,16 @@ Reply = tuple[int, dict]
 
 
 class ServerLike(http.server.BaseHTTPRequestHandler):
-    """GET /v1/models: `server.models` (or `server.models_reply`); POST /tokenize: `server.tokenize(body)` (404
+    """GET /v1/models: `server.models` (or `server.models_reply`); GET of a path in `server.pages`: its reply;
+    POST /tokenize: `server.tokenize(body)` (404
     without it); POST /v1/completions: `server.respond(body)`, by default `server.post_status` with
     `server.post_body`. Every completion request's body is kept in `server.bodies`."""
 
     def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
         self.server.auth.append(self.headers.get("Authorization"))
+        if self.path in self.server.pages:
+            self._send(*self.server.pages[self.path])
+            return
         reply = self.server.models_reply() if self.server.models_reply else None
         self._send(*(reply or (200, {"object": "list", "data": self.server.models})))
 
@@ -58,14 +62,14 @@ class _Server(http.server.ThreadingHTTPServer):
 @contextmanager
 def json_endpoint(model_name: str, post_status: int = 200, post_body: dict | None = None, *,
                   respond: Callable[[dict], Reply] | None = None, tokenize: Callable[[dict], Reply] | None = None,
-                  models: list[dict[str, Any]] | None = None, models_reply: Callable[[], Reply | None] | None = None
-                  ) -> Iterator[http.server.HTTPServer]:
+                  models: list[dict[str, Any]] | None = None, models_reply: Callable[[], Reply | None] | None = None,
+                  pages: dict[str, Reply] | None = None) -> Iterator[http.server.HTTPServer]:
     """The endpoint, serving in a thread; its base URL is `url(server)`. `models_reply` may return a reply that
     replaces the model list (an outage), or None."""
     server = _Server(("127.0.0.1", 0), ServerLike)
     server.models = models if models is not None else [{"id": model_name, "object": "model"}]
     server.respond = respond or (lambda body: (post_status, post_body or {}))
-    server.tokenize, server.models_reply = tokenize, models_reply
+    server.tokenize, server.models_reply, server.pages = tokenize, models_reply, pages or {}
     server.posts, server.bodies, server.auth, server.lock = 0, [], [], threading.Lock()
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:

@@ -135,9 +135,14 @@ def test_eval_engine_keys_are_checked_in_one_line():
     base = {"output_dir": "o", "data": {"sources": [{"path": "x.jsonl"}]}, "store": {"path": "s", "budget": "1GB"}}
     cfg = config_from_dict({**base, "eval": {"endpoint": "http://node0:8000"}})
     assert cfg.eval.endpoint == "http://node0:8000/v1" and cfg.eval.engine == "ours"
-    with pytest.raises(ConfigError, match=r"eval\.engine.*'ours' or 'vllm'") as err:
+    with pytest.raises(ConfigError, match=r"eval\.engine.*'ours', 'vllm' or 'sglang'") as err:
+        config_from_dict({**base, "eval": {"engine": "tgi"}})
+    assert "\n" not in str(err.value)
+    with pytest.raises(ConfigError, match=r"eval.engine sglang needs eval.endpoint") as err:
         config_from_dict({**base, "eval": {"engine": "sglang"}})
     assert "\n" not in str(err.value)
+    served = config_from_dict({**base, "eval": {"engine": "sglang", "endpoint": "http://node0:30000"}}).eval
+    assert (served.engine, served.endpoint) == ("sglang", "http://node0:30000/v1")
     with pytest.raises(ConfigError, match=r"eval\.endpoint.*not an http\(s\) URL"):
         config_from_dict({**base, "eval": {"endpoint": "node0:8000"}})
 
@@ -166,7 +171,8 @@ def test_engines_are_compared_on_the_prompts_both_answered_as_the_target():
     served = [{"index": i, "verify_steps": steps, "accepted": accepted, "as_target": match}
               for i, (steps, accepted, match) in enumerate([(10, 4, True), (30, 0, True), (25, 2, False)])]
     same = same_answers(ours, served)
-    assert same == {"prompts": [0], "ours": 1.5, "vllm": 1.4, "relative_difference": relative_difference(1.4, 1.5)}
+    assert same == {"engine": "vllm", "prompts": [0], "ours": 1.5, "vllm": 1.4,
+                    "relative_difference": relative_difference(1.4, 1.5)}
     figures = {"acceptance_length": 2.0, "drafts": 4, "accepted_tokens": 4, "per_position": [3, 1],
                "matches_target": False}
     result = {"prompts": ours, "engines": {"ours": figures}, "same_answers": same}

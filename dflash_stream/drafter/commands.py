@@ -122,7 +122,7 @@ def engine_table(result: dict) -> list[str]:
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from dflash_stream.config import endpoint_base_url, load_config
+    from dflash_stream.config import endpoint_base_url, load_config, served_engine
     from dflash_stream.drafter.evaluate import evaluate
     from dflash_stream.log import setup_logging
 
@@ -132,7 +132,10 @@ def _eval(args: argparse.Namespace) -> int:
         endpoint = endpoint_base_url(args.endpoint) if args.endpoint else cfg.eval.endpoint
     except ValueError as err:
         raise DFlashError(f"eval --endpoint: {err}") from None
-    engine = "vllm" if endpoint else args.engine or cfg.eval.engine
+    try:
+        engine = served_engine(args.engine or cfg.eval.engine, endpoint)
+    except ValueError as err:
+        raise DFlashError(f"eval --engine: {err}") from None
     try:
         result = evaluate(cfg, args.drafter, args.prompts, args.max_new_tokens or cfg.eval.max_new_tokens,
                           engine=engine, endpoint=endpoint, workdir=args.workdir)
@@ -162,11 +165,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prompts", required=True, help="jsonl of chat `messages` or plain `prompt` rows")
     p.add_argument("--max-new-tokens", type=int, default=None, help="default: eval.max_new_tokens")
     p.add_argument("--engine", choices=EVAL_ENGINES, default=None,
-                   help="ours (our decoding loop), or vllm: also the drafter served as vLLM's DFlash speculator, "
-                        "its tau beside ours (default: eval.engine)")
+                   help="ours (our decoding loop), or vllm / sglang: also the drafter served as that engine's "
+                        "DFlash speculator, its tau beside ours (default: eval.engine; sglang needs --endpoint)")
     p.add_argument("--endpoint", default=None, metavar="URL",
-                   help="a vLLM server you started with this drafter as its speculator (idle meanwhile), e.g. "
-                        "http://host:8000/v1; implies --engine vllm (default: eval.endpoint; none: a local server)")
+                   help="a vLLM (idle meanwhile) or SGLang server you started with this drafter as its speculator, "
+                        "e.g. http://host:8000/v1; implies --engine vllm unless --engine sglang (default: "
+                        "eval.endpoint; none: a local vLLM server)")
     p.add_argument("--workdir", default=None,
                    help="the local vLLM server's log and converted target (default: <output_dir>/engines)")
     p.add_argument("--out", default=None, help="also write the full result as JSON to this file")

@@ -1,5 +1,6 @@
 """`evaluate`: acceptance length, acceptance histogram and speedup of an exported drafter on held-out prompts, in our
-own decoding loop and, with engine vllm, in vLLM serving it as its DFlash speculator (`served.py`)."""
+own decoding loop and, with engine vllm or sglang, in that engine serving it as its DFlash speculator (`served.py`,
+`served_sglang.py`)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from dflash_stream.drafter.served import (
     per_position_from_histogram,
     vllm_eval,
 )
+from dflash_stream.drafter.served_sglang import sglang_eval
 from dflash_stream.drafter.speculative import Generation, greedy_generate, speculative_generate
 from dflash_stream.log import get_logger, progress
 from dflash_stream.target_model.loading import load_target, resolve_device, stop_token_ids
@@ -29,6 +31,8 @@ log = get_logger(__name__)
 Row = dict[str, Any]
 AGREEMENT = 0.02
 """Relative τ difference within which an engine agrees with ours (greedy on both sides, the same prompts)."""
+ENGINE_NAMES = {"ours": "ours", "vllm": "vLLM", "sglang": "SGLang"}
+"""How each of EVAL_ENGINES is named in log lines and tables."""
 SPEEDUP_SLACK = 1.1
 """A speedup above τ by more than this factor (timing noise) cannot come from drafting: flagged as not
 meaningful."""
@@ -104,10 +108,13 @@ class Evaluator:
         target called the same way (`greedy_generate`'s verify_block), `speedup_note` why it is not meaningful
         when it is not; `engines`: each engine's τ counted as vLLM counts it (`served.acceptance_figures`), ours
         always, vLLM's with engine vllm (a local server from .venv-vllm, or `endpoint`, a server the user started
-        with this drafter; local files under `workdir`).
+        with this drafter; local files under `workdir`), SGLang's with engine sglang (at `endpoint`).
         """
         if engine not in EVAL_ENGINES:
             raise ConfigError(f"eval.engine: '{engine}'; allowed: {', '.join(EVAL_ENGINES)}")
+        if engine == "sglang" and endpoint is None:
+            raise ConfigError("eval.engine sglang needs eval.endpoint: the base URL of an SGLang server serving the "
+                              "drafter")
         drafter, spec = load_drafter(drafter_dir, self.device)
         drafter.eval()
         if spec.vocab_size != self.head.embed_weight.shape[0]:
@@ -175,31 +182,36 @@ class Evaluator:
             tau or 0.0, speedup or 0.0, " (not meaningful)" if result["speedup_note"] else "",
             "matches" if result["matches_target"] else "DIFFERS from", len(per_prompt),
         )
-        if engine == "vllm":
-            served = self.served(drafter_dir, spec.block_size, max_new_tokens, endpoint, workdir)
+        if engine != "ours":
+            served = self.served(engine, drafter_dir, spec.block_size, max_new_tokens, endpoint, workdir)
             difference = relative_difference(served.get("acceptance_length"), ours["acceptance_length"])
             if difference is not None:
                 served["relative_difference"] = difference
-            result["engines"]["vllm"] = served
+            result["engines"][engine] = served
             result["engines_agree"] = None if difference is None else abs(difference) <= AGREEMENT
             if "prompts" in served:
-                same = result["same_answers"] = same_answers(per_prompt, served["prompts"])
-                log.info("eval: on the %d prompts both engines answered as the target: tau %s ours, %s vLLM",
-                         len(same["prompts"]), *(f"{t:.3f}" if t else "-" for t in (same["ours"], same["vllm"])))
+                same = result["same_answers"] = same_answers(per_prompt, served["prompts"], engine)
+                log.info("eval: on the %d prompts both engines answered as the target: tau %s ours, %s %s",
+                         len(same["prompts"]), *(f"{t:.3f}" if t else "-" for t in (same["ours"], same[engine])),
+                         ENGINE_NAMES[engine])
         return result
 
-    def served(self, drafter_dir: str | Path, block_size: int, max_new_tokens: int, endpoint: str | None,
-               workdir: str | Path | None) -> dict[str, Any]:
-        """The same prompts, budget and greedy decoding in vLLM serving the drafter (`served.vllm_eval`)."""
+    def served(self, engine: str, drafter_dir: str | Path, block_size: int, max_new_tokens: int,
+               endpoint: str | None, workdir: str | Path | None) -> dict[str, Any]:
+        """The same prompts, budget and greedy decoding in `engine` serving the drafter (`served.vllm_eval`,
+        `served_sglang.sglang_eval`)."""
         job = ServedEval(self.cfg.target, self.tokenizer, [ids[0].tolist() for ids in self.encoded],
                          [self._reference(i, max_new_tokens, block_size).tokens for i in range(len(self.encoded))],
                          self.stops, self.target)
-        entry = vllm_eval(job, drafter_dir, block_size, max_new_tokens, endpoint,
-                          workdir or Path(self.cfg.output_dir) / "engines")
+        if engine == "sglang":
+            entry = sglang_eval(job, endpoint, block_size, max_new_tokens)
+        else:
+            entry = vllm_eval(job, drafter_dir, block_size, max_new_tokens, endpoint,
+                              workdir or Path(self.cfg.output_dir) / "engines")
         if "acceptance_length" in entry:
-            log.info("eval: vLLM tau %.3f (%d drafts, %d accepted), %d of %d answers as the target's",
-                     entry["acceptance_length"] or 0.0, entry["drafts"], entry["accepted_tokens"],
-                     entry["answers_as_target"], len(job.prompts))
+            log.info("eval: %s tau %.3f (%d drafts, %d accepted), %d of %d answers as the target's",
+                     ENGINE_NAMES[engine], entry["acceptance_length"] or 0.0, entry["drafts"],
+                     entry["accepted_tokens"], entry["answers_as_target"], len(job.prompts))
         return entry
 
 
@@ -213,25 +225,27 @@ def speedup_note(speedup: float | None, tau: float | None, block_size: int) -> s
             f"of this target costs more than a {block_size}-token one here (per-call overhead)")
 
 
-def same_answers(ours: list[dict[str, Any]], served: list[dict[str, Any]]) -> dict[str, Any]:
+def same_answers(ours: list[dict[str, Any]], served: list[dict[str, Any]], engine: str = "vllm") -> dict[str, Any]:
     """Both engines' τ over the prompts both answered as the target's own greedy answer. Where an engine's answer
     parts from it (a near-tie its kernels round the other way: bf16 targets), the drafter drafts on another text,
     and the two τ compare texts as much as engines; on the same answers they compare the engines alone."""
     both = [o["index"] for o, s in zip(ours, served, strict=True) if o["matches_target"] and s["as_target"]]
     taus = {}
-    for name, rows in (("ours", ours), ("vllm", served)):
+    for name, rows in (("ours", ours), (engine, served)):
         drafts = sum(rows[i]["verify_steps"] for i in both)
         taus[name] = 1 + sum(rows[i]["accepted"] for i in both) / drafts if drafts else None
-    return {"prompts": both, **taus, "relative_difference": relative_difference(taus["vllm"], taus["ours"])}
+    return {"engine": engine, "prompts": both, **taus,
+            "relative_difference": relative_difference(taus[engine], taus["ours"])}
 
 
 def same_answers_line(same: dict[str, Any] | None, prompts: int) -> str | None:
     """`same_answers` in one line, when some answers parted from the target's (else it says nothing new)."""
     if not same or len(same["prompts"]) >= prompts:
         return None
-    taus = ("-" if t is None else f"{t:.3f}" for t in (same["ours"], same["vllm"]))
-    return "on the {} prompts both engines answered as the target: tau {} ours, {} vLLM".format(
-        len(same["prompts"]), *taus)
+    engine = same.get("engine", "vllm")
+    taus = ("-" if t is None else f"{t:.3f}" for t in (same["ours"], same[engine]))
+    return "on the {} prompts both engines answered as the target: tau {} ours, {} {}".format(
+        len(same["prompts"]), *taus, ENGINE_NAMES[engine])
 
 
 def relative_difference(tau: float | None, ours: float | None) -> float | None:

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dflash_stream.config import Config, load_config
+from dflash_stream.config import Config, load_config, served_engine
 from dflash_stream.diskfull import retry_when_full
 from dflash_stream.errors import DFlashError
 from dflash_stream.log import get_logger, setup_logging
@@ -193,7 +193,8 @@ def _finish_training(cfg: Config, role: RoleInfo, trainer) -> dict[str, Any]:
                      "would compete with this run's processes); `dflash-stream eval --engine vllm --drafter %s` "
                      "measures vLLM's tau after the run", export)
         result = evaluate(cfg, export, cfg.eval.prompts, cfg.eval.max_new_tokens,
-                          engine="vllm" if cfg.eval.endpoint else "ours", endpoint=cfg.eval.endpoint)
+                          engine=served_engine(cfg.eval.engine, cfg.eval.endpoint) if cfg.eval.endpoint else "ours",
+                          endpoint=cfg.eval.endpoint)
         run.eval.write_text(json.dumps(result, indent=2))
         fields["eval"] = {k: result[k] for k in ("acceptance_length", "matches_target", "speedup") if k in result}
         log.info(
