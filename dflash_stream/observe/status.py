@@ -291,7 +291,7 @@ def render_status(s: dict[str, Any]) -> str:
         of = f" / {t['total_steps']:,} ({t['progress']:.1%})" if t["total_steps"] else ""
         eta = f", ETA {fmt_duration(t['eta_s'])}" if t["eta_s"] else ""
         out.append(f"train     step {t['step']:,}{of}{eta}, epoch {t['epoch']}: loss {_num(t['loss'], '.4f')}, "
-                   f"tau {_num(t['tau'], '.2f')}, acc slot 1 {_num(t['acc_slot1'], '.1%')}, lr {_num(t['lr'], '.2e')}")
+                   f"tau (estimate) {_num(t['tau'], '.2f')}, acc slot 1 {_num(t['acc_slot1'], '.1%')}, lr {_num(t['lr'], '.2e')}")
         out.append(f"          {t['tok_s']:,.0f} tok/s over {t['ranks']} rank(s); "
                    f"waited for data {fmt_duration(t['data_wait_s'])}")
     c = s["checkpoints"]

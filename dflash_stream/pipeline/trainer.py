@@ -603,7 +603,7 @@ class Trainer:
         tau = expected_acceptance(stats["acc"])
         lr = self.scheduler.get_last_lr()[0]
         tok_s = stats["tokens"] / max(stats["seconds"], 1e-9)
-        self.bar.set_postfix(loss=f"{stats['loss']:.3f}", tau=f"{tau:.2f}", tok_s=f"{tok_s:.0f}",
+        self.bar.set_postfix(loss=f"{stats['loss']:.3f}", tau_est=f"{tau:.2f}", tok_s=f"{tok_s:.0f}",
                              wait=f"{self.data_wait_seconds:.0f}s")
         self.metrics.log(
             "train", step=self.steps, total_steps=self._total_steps(), loss=stats["loss"], acc=stats["acc"], tau=tau,
