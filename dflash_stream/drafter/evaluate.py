@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from dflash_stream.config import EVAL_ENGINES, Config, ConfigError
+from dflash_stream.config import EVAL_ENGINES, Config, ConfigError, served_engine
 from dflash_stream.data.formats import RowError, split_for_regeneration, to_messages
 from dflash_stream.data.template import ChatEncoder
 from dflash_stream.drafter.export import load_drafter
@@ -112,9 +112,10 @@ class Evaluator:
         """
         if engine not in EVAL_ENGINES:
             raise ConfigError(f"eval.engine: '{engine}'; allowed: {', '.join(EVAL_ENGINES)}")
-        if engine == "sglang" and endpoint is None:
-            raise ConfigError("eval.engine sglang needs eval.endpoint: the base URL of an SGLang server serving the "
-                              "drafter")
+        try:
+            served_engine(engine, endpoint)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
         drafter, spec = load_drafter(drafter_dir, self.device)
         drafter.eval()
         if spec.vocab_size != self.head.embed_weight.shape[0]:
