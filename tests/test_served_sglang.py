@@ -41,13 +41,15 @@ def job(target: TargetConfig, references=REFERENCES) -> ServedEval:
     return ServedEval(target=target, tokenizer=None, prompts=PROMPTS, references=references, stops={STOP})
 
 
-def sglang_like(info=INFO, meta=None):
-    """An endpoint answering as SGLang does: `/server_info`, and `/generate` from ANSWERS (warm-up: 2 tokens)."""
+def sglang_like(info=INFO, meta=None, info_page="/server_info"):
+    """An endpoint answering as SGLang does: `/server_info` (`/get_server_info` before it), and `/generate` from
+    ANSWERS (warm-up: 2 tokens)."""
     def respond(body):
         ids, answer = ANSWERS[tuple(body["input_ids"])]
         n = body["sampling_params"]["max_new_tokens"]
         return 200, {"output_ids": ids[:n], "meta_info": meta if meta is not None else answer}
-    return json_endpoint("unused", respond=respond, pages={"/server_info": (200, info)})
+    return json_endpoint("unused", respond=respond, pages={info_page: (200, info)},
+                         models_reply=lambda: (404, {"detail": "Not Found"}))
 
 
 def test_counts_are_summed_per_request_and_a_matched_stop_token_is_kept_as_our_loop_keeps_it(qwen3):
@@ -65,6 +67,11 @@ def test_counts_are_summed_per_request_and_a_matched_stop_token_is_kept_as_our_l
     same = same_answers(mine, entry["prompts"], "sglang")
     assert (same["ours"], same["sglang"], same["engine"]) == (pytest.approx(5 / 3), 2.0, "sglang")
     assert same_answers_line({**same, "prompts": [0]}, 2).endswith("tau 1.667 ours, 2.000 SGLang")
+
+
+def test_an_older_sglang_is_asked_at_get_server_info(qwen3):
+    with sglang_like(info_page="/get_server_info") as server:
+        assert sglang_eval(job(qwen3), url(server), BLOCK, 5)["acceptance_length"] == 2.0
 
 
 def test_an_answer_other_than_the_targets_is_counted_as_such_and_a_target_of_sliding_layers_only_noted(tmp_path):

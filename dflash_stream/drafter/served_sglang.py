@@ -85,7 +85,10 @@ def server_root(endpoint: str) -> str:
 
 def check_server(root: str, block_size: int) -> str:
     """The draft model the server names, once it is known to draft with DFLASH in blocks of `block_size`."""
-    info = _get(root, "/server_info")
+    try:
+        info = _get(root, "/server_info")
+    except EngineError:  # SGLang before /server_info (0.5.x) answers the same at /get_server_info
+        info = _get(root, "/get_server_info")
     algorithm, tokens = info.get("speculative_algorithm"), info.get("speculative_num_draft_tokens")
     if str(algorithm).upper() != "DFLASH":
         raise EngineError(f"eval --engine sglang: the server at {root} drafts with {algorithm}, not DFLASH: start it "
