@@ -20,13 +20,13 @@ INFO = {"speculative_algorithm": "DFLASH", "speculative_num_draft_tokens": BLOCK
         "speculative_draft_model_path": "/models/drafter", "version": "0.5.23"}
 PROMPTS = [[5, 6, 7], [8, 9]]
 REFERENCES = [[10, 11, 12, 13, 14], [20, 21, STOP]]
-# Per prompt, what SGLang answers: its output ids (the second without the stop token it matched, as SGLang leaves
-# it out) and its counts: steps by tokens accepted 0 .. 3 (a histogram as long as the largest count seen).
+# Per prompt, what SGLang answers: its output ids (the stop token it matched included, as 0.5.23 keeps it) and its
+# counts: steps by tokens accepted 0 .. 3 (a histogram as long as the largest count seen).
 ANSWERS = {
     (5, 6, 7): ([10, 11, 12, 13, 14], {"finish_reason": {"type": "length", "length": 5}, "spec_verify_ct": 2,
                                        "spec_num_correct_drafts": 3, "spec_correct_drafts_histogram": [0, 1, 1]}),
-    (8, 9): ([20, 21], {"finish_reason": {"type": "stop", "matched": STOP}, "spec_verify_ct": 2,
-                        "spec_num_correct_drafts": 1, "spec_correct_drafts_histogram": [1, 1]}),
+    (8, 9): ([20, 21, STOP], {"finish_reason": {"type": "stop", "matched": STOP}, "spec_verify_ct": 2,
+                              "spec_num_correct_drafts": 1, "spec_correct_drafts_histogram": [1, 1]}),
 }
 
 
@@ -41,19 +41,21 @@ def job(target: TargetConfig, references=REFERENCES) -> ServedEval:
     return ServedEval(target=target, tokenizer=None, prompts=PROMPTS, references=references, stops={STOP})
 
 
-def sglang_like(info=INFO, meta=None, info_page="/server_info"):
+def sglang_like(info=INFO, meta=None, info_page="/server_info", drop_stop=False):
     """An endpoint answering as SGLang does: `/server_info` (`/get_server_info` before it), and `/generate` from
-    ANSWERS (warm-up: 2 tokens)."""
+    ANSWERS (warm-up: 2 tokens), with the matched stop token left out of output_ids where `drop_stop`."""
     def respond(body):
         ids, answer = ANSWERS[tuple(body["input_ids"])]
+        ids = [t for t in ids if t != STOP] if drop_stop else ids
         n = body["sampling_params"]["max_new_tokens"]
         return 200, {"output_ids": ids[:n], "meta_info": meta if meta is not None else answer}
     return json_endpoint("unused", respond=respond, pages={info_page: (200, info)},
                          models_reply=lambda: (404, {"detail": "Not Found"}))
 
 
-def test_counts_are_summed_per_request_and_a_matched_stop_token_is_kept_as_our_loop_keeps_it(qwen3):
-    with sglang_like() as server:
+@pytest.mark.parametrize("drop_stop", [False, True])
+def test_counts_are_summed_per_request_and_a_matched_stop_token_is_kept_as_our_loop_keeps_it(qwen3, drop_stop):
+    with sglang_like(drop_stop=drop_stop) as server:
         entry = sglang_eval(job(qwen3), url(server), BLOCK, 5)
         bodies = server.bodies
     assert (entry["drafts"], entry["accepted_tokens"]) == (4, 4) and entry["acceptance_length"] == 2.0

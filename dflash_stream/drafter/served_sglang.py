@@ -127,7 +127,7 @@ def _generate(root: str, ids: list[int], max_new_tokens: int, stops: set[int]) -
     finish = info.get("finish_reason") or {}
     matched = finish.get("matched") if isinstance(finish, dict) else None
     if isinstance(matched, int) and matched in stops and (not tokens or tokens[-1] != matched):
-        tokens.append(matched)  # SGLang leaves a matched stop token out of output_ids; our loop keeps it
+        tokens.append(matched)  # SGLang 0.5.23 keeps it in output_ids, as our loop does; a server that does not
     return tokens, info
 
 
