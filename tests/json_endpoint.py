@@ -16,9 +16,9 @@ Reply = tuple[int, dict]
 
 class ServerLike(http.server.BaseHTTPRequestHandler):
     """GET /v1/models: `server.models` (or `server.models_reply`); GET of a path in `server.pages`: its reply;
-    POST /tokenize: `server.tokenize(body)` (404
-    without it); POST /v1/completions: `server.respond(body)`, by default `server.post_status` with
-    `server.post_body`. Every completion request's body is kept in `server.bodies`."""
+    POST /tokenize: `server.tokenize(body)` (404 without it); POST /v1/completions: `server.respond(body)`, by
+    default `server.post_status` with `server.post_body`. Every completion request's body is kept in
+    `server.bodies`."""
 
     def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
         self.server.auth.append(self.headers.get("Authorization"))
