@@ -174,7 +174,7 @@ def sliding_target_note(target: TargetConfig, spec: DrafterSpec) -> str | None:
     if FULL not in spec.layer_types or spec.full_layer_window is not None:
         return None
     shape = target_shape(target, download=True, count=False)  # eval has loaded the target: its config is here
-    if set(shape.layer_types) != {SLIDING}:
+    if not shape.slides_everywhere:
         return None
     fix = ("" if SLIDING in spec.layer_types else
            f"; \"use_swa\": true, \"swa_window_size\": {reach(spec.max_position_embeddings, spec.rope_scaling)}, "

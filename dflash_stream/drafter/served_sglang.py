@@ -67,10 +67,10 @@ def sglang_notes(target: TargetConfig) -> dict[str, str]:
     """Where SGLang serves the target otherwise than it is, by kind: `sliding_target`, a target whose every layer
     slides, which SGLang 0.5.23's Llama, Mistral, Qwen2 and StarCoder2 models run without a window (a tiny
     Mistral of window 16: its answers were those of the same model without the window, from the first token on)."""
-    from dflash_stream.target_model.shape import SLIDING, target_shape
+    from dflash_stream.target_model.shape import target_shape
 
     shape = target_shape(target, download=True, count=False)  # eval has loaded the target: its config is here
-    if set(shape.layer_types) != {SLIDING}:
+    if not shape.slides_everywhere:
         return {}
     return {"sliding_target": f"every layer of the target is sliding-window (window {shape.sliding_window}): "
                               "SGLang 0.5.23's Llama, Mistral, Qwen2 and StarCoder2 models attend without a window, so "

@@ -154,7 +154,7 @@ def vllm_names_full_windows(tc: TargetShape, layer_types: list[str]) -> bool:
     leaves a full layer's unset, so they would attend to the target's last window only (a tiny Mistral of window
     16: τ -10.9 %, docs/engines.md). A drafter that mixes both kinds cannot be helped so: vLLM then reads its
     layer_types alone."""
-    return bool(tc.layer_types) and set(tc.layer_types) == {SLIDING} and SLIDING not in layer_types
+    return tc.slides_everywhere and SLIDING not in layer_types
 
 
 def reach(positions: int, rope_scaling: dict[str, Any] | None) -> int:

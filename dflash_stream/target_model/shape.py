@@ -72,6 +72,12 @@ class TargetShape:
         """Some layers keep a recurrent state or a window: speculative decoding must roll them back."""
         return any(kind != FULL for kind in self.layer_type_counts) or self.sliding_window is not None
 
+    @property
+    def slides_everywhere(self) -> bool:
+        """Every layer is sliding-window: engines then treat the window as the model's (vLLM gives it to any layer
+        that names none; SGLang's Llama-family models drop it)."""
+        return set(self.layer_type_counts) == {SLIDING}
+
     def rope_for(self, layer_type: str = FULL) -> dict[str, Any]:
         return self.rope.get(layer_type) or self.rope.get(FULL) or next(iter(self.rope.values()), {})
 
