@@ -213,7 +213,8 @@ def spec_for(family: str, **drafter):
     return build_spec(cfg, shape_from_config(config, "test", count=False), [1, 3, 4]), config
 
 
-@pytest.mark.parametrize(("family", "named"), [("mistral", True), ("gpt_oss", False), ("qwen3", False)])
+@pytest.mark.parametrize(("family", "named"), [("mistral", True), ("gpt_oss", False), ("qwen3", False),
+                                               ("qwen3_5", False)])
 def test_full_layers_name_their_window_for_vllm_beside_a_target_of_sliding_layers_only(tmp_path, family, named):
     """vLLM gives a drafter layer that names no window the target's when every target layer slides: a tiny Mistral's
     drafter (window 16) lost 10.9 % of τ there (bench eval-engines), while gpt-oss (sliding and full layers
