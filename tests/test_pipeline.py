@@ -8,6 +8,7 @@ import json
 import os
 import random
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -172,16 +173,22 @@ def test_combined_run_under_accelerate(tiny_target_dir, tmp_path):
     assert summary["extractor_backpressure_seconds"] == 0 or 1 <= len(held) <= 3, held
 
 
-def kill(proc: subprocess.Popen, output: Path, victim: str) -> None:
-    """kill -9 of one rank, or of the whole job at once as a node failure would: launcher and every rank."""
+def kill(proc: subprocess.Popen, output: Path, victim: str) -> str:
+    """kill -9 of one rank, or of the whole job at once as a node failure would: launcher and every rank. The
+    launch's output, with the reason should it have ended before the kill."""
+    ended = proc.poll()
     if victim == "launch":
-        os.killpg(proc.pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
         for pid in rank_pids(output).values():  # torchrun starts its workers in sessions of their own
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
     else:
-        os.kill(rank_pids(output)[victim], signal.SIGKILL)
-    proc.communicate(timeout=120)
+        with contextlib.suppress(ProcessLookupError):  # it may have ended already: the caller sees the output
+            os.kill(rank_pids(output)[victim], signal.SIGKILL)
+    out, _ = proc.communicate(timeout=120)
+    assert ended is None or (output / "summary.json").exists(), f"the launch failed before the kill:\n{out[-4000:]}"
+    return out
 
 
 def released_since_checkpoint(output: Path) -> bool:
@@ -190,6 +197,39 @@ def released_since_checkpoint(output: Path) -> bool:
     latest = RunDir(output).latest_checkpoint()
     step = int(latest.name.removeprefix("step-")) if latest is not None else 0
     return bool(ReleaseJournal(output, 0).released_after(step))
+
+
+def running(proc: subprocess.Popen, deadline: float) -> bool:
+    return proc.poll() is None and time.time() < deadline
+
+
+def kill_rounds(config: Path, output: Path, victims: tuple[str, str]) -> bool:
+    """Each of `victims` in turn killed at a random moment once training is under way in a launch and segment uses
+    were released since the latest checkpoint. False if a launch finished the run before its kill (a tiny run on
+    a fast machine): nothing was tested."""
+    journal = output / "ledger" / "released-trainer-0.jsonl"
+    rng = random.Random()
+    for killed in victims:
+        for _ in range(3):  # again, should a checkpoint land between the last look and the kill
+            started = time.time()
+            proc = launch(config)
+            deadline = started + 180
+            # Training under way in this launch, with the extractor held back by the small budget, and uses
+            # released since the latest checkpoint: the kill lands mid-stream on both sides.
+            while running(proc, deadline) and not (any(e["event"] == "train" and e["time"] > started for e in events(output))
+                                     and journal.is_file() and journal.stat().st_size > 0):
+                time.sleep(0.1)
+            time.sleep(rng.uniform(0.0, 1.0))
+            # A checkpoint may have emptied the journal meanwhile: kill at the next moment it holds a release.
+            while running(proc, deadline) and not (journal.is_file() and journal.stat().st_size > 0):
+                time.sleep(0.01)
+            kill(proc, output, killed)
+            if (output / "summary.json").exists():
+                return False
+            # An extractor's kill stops the trainer by SIGTERM, which checkpoints: nothing to extract again.
+            if killed == "extractor-0" or released_since_checkpoint(output):
+                break
+    return True
 
 
 # Each victim is killed first in one test and second in another; the epochs come by reuse and by re-extraction.
@@ -208,30 +248,14 @@ def test_kill_at_random_moment_then_resume(tiny_target_dir, tmp_path, victim):
     second, epoch_source = KILL_ROUNDS[victim]
     config = write_run_config(tmp_path, tiny_target_dir, rows=64, **{"train.epoch_source": epoch_source})
     output = tmp_path / "out"
-    journal = output / "ledger" / "released-trainer-0.jsonl"
-    rng = random.Random()
-    with DiskSampler(output / "store") as disk:
-        for killed in (victim, second):
-            for _ in range(3):  # again, should a checkpoint land between the last look and the kill
-                started = time.time()
-                proc = launch(config)
-                deadline = started + 180
-                # Training under way in this launch, with the extractor held back by the small budget, and uses
-                # released since the latest checkpoint: the kill lands mid-stream on both sides.
-                while time.time() < deadline and not (
-                        any(e["event"] == "train" and e["time"] > started for e in events(output))
-                        and journal.is_file() and journal.stat().st_size > 0):
-                    time.sleep(0.1)
-                time.sleep(rng.uniform(0.0, 1.0))
-                # A checkpoint may have emptied the journal meanwhile: kill at the next moment it holds a release.
-                while time.time() < deadline and not (journal.is_file() and journal.stat().st_size > 0):
-                    time.sleep(0.01)
-                kill(proc, output, killed)
-                assert not (output / "summary.json").exists(), f"the kill of {killed} came too late to test anything"
-                # An extractor's kill stops the trainer by SIGTERM, which checkpoints: nothing to extract again.
-                if killed == "extractor-0" or released_since_checkpoint(output):
-                    break
-        finish(launch(config))
+    for _ in range(3):  # again from the start, should a launch finish the run before its kill could land
+        with DiskSampler(output / "store") as disk:
+            if kill_rounds(config, output, (victim, second)):
+                finish(launch(config))
+                break
+        shutil.rmtree(output)
+    else:
+        pytest.fail("every time, a launch finished the run before its kill")
     assert disk.peak <= BUDGET
     assert_exactly_once(output, epochs=2)
     report = audit_run(output)
