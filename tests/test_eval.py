@@ -19,7 +19,7 @@ from dflash_stream.drafter import (
 )
 from dflash_stream.drafter.evaluate import Evaluator, _stderr, read_prompts, render_prompt, stop_token_ids
 from dflash_stream.drafter.head import TargetHead
-from dflash_stream.drafter.speculative import greedy_generate, speculative_generate
+from dflash_stream.drafter.speculative import greedy_generate, replay_generate, speculative_generate
 from dflash_stream.target_model import model_shape, target_shape
 
 LAYERS = [1, 3, 5]
@@ -135,6 +135,14 @@ def test_overfit_drafter_accepts_and_stays_exact(setup, untrained_result, chaoti
     assert again["acceptance_histogram"] == untrained_result["acceptance_histogram"]
     assert again["target_s"] == after["target_s"]  # the target ran once per prompt
     assert after["acceptance_stderr"] > 0 and untrained_result["acceptance_stderr"] == 0
+    # Replayed on the target's own answers (as on an engine's that equals ours), the trained drafter takes the
+    # steps speculative decoding took: the states of one forward over the answer stand for the verification's.
+    model.eval()
+    for ids in evaluator.encoded:
+        fast = speculative_generate(evaluator.target, model, evaluator.head, ids, NEW_TOKENS, evaluator.stops)
+        replay = replay_generate(evaluator.target, model, evaluator.head, ids, fast.tokens, NEW_TOKENS,
+                                 evaluator.stops)
+        assert (replay.tokens, replay.accepted) == (fast.tokens, fast.accepted)
 
 
 def test_tau_standard_error_is_over_prompts():
@@ -212,3 +220,29 @@ def test_real_target_output_is_identical(demo_model, demo_target):
     base = greedy_generate(target, ids, 12, stops)
     fast = speculative_generate(target, drafter, head, ids, 12, stops)
     assert fast.tokens == base.tokens and len(base.tokens) > 1
+
+
+def test_an_engines_answer_other_than_ours_is_replayed(setup, monkeypatch):
+    """Where the engine's answer parts from our loop's, our τ beside the engine's is drafted on the engine's answer
+    (`on_engine_answers`): here an untrained drafter, which accepts nothing, takes one step per token of each
+    answer, ours on the first prompt and the engine's own on the second."""
+    from dflash_stream.drafter.commands import engine_table
+
+    cfg, _, _, untrained = setup
+    evaluator = Evaluator(cfg, PROMPTS[:2])
+    mine = [greedy_generate(evaluator.target, ids, NEW_TOKENS, evaluator.stops).tokens for ids in evaluator.encoded]
+    foreign = [t for t in range(10, 10 + NEW_TOKENS + 1) if t not in evaluator.stops and t != mine[1][0]]
+    answers = [mine[0], [mine[1][0], *foreign[: NEW_TOKENS - 1]]]
+    steps = [len(a) - 1 for a in answers]
+    served = {"acceptance_length": 1.0, "per_position": [0, 0, 0], "drafts": sum(steps), "accepted_tokens": 0,
+              "answers_as_target": 1, "matches_target": False,
+              "prompts": [{"index": i, "verify_steps": s, "accepted": 0, "as_target": i == 0, "answer": a}
+                          for i, (s, a) in enumerate(zip(steps, answers, strict=True))]}
+    monkeypatch.setattr(Evaluator, "served", lambda self, *args: served)
+    result = evaluator.evaluate(untrained, NEW_TOKENS, engine="sglang", endpoint="http://unused:1")
+    mirrored = result["on_engine_answers"]
+    assert (mirrored["engine"], mirrored["prompts"], mirrored["replayed"]) == ("sglang", 2, 1)
+    assert mirrored["ours"] == {"acceptance_length": 1.0, "per_position": [0, 0, 0], "drafts": sum(steps),
+                                "accepted_tokens": 0}
+    assert mirrored["sglang"]["drafts"] == sum(steps) and mirrored["agree"] is True
+    assert engine_table(result)[-1] == "on SGLang's own answers (1 of 2 prompts replayed): tau 1.000 ours, 1.000 SGLang"

@@ -531,6 +531,8 @@ def test_vllm_serving_the_drafter_accepts_as_our_loop_does(served_drafter, capsy
     same = result["same_answers"]
     assert same["prompts"] == list(range(len(PROMPTS)))
     assert (same["ours"], same["vllm"]) == (ours["acceptance_length"], vllm["acceptance_length"])
+    mirrored = result["on_engine_answers"]  # vLLM's answers are ours: nothing to replay
+    assert mirrored["replayed"] == 0 and mirrored["ours"]["drafts"] == ours["drafts"] and mirrored["agree"] is True
 
 
 @pytest.mark.slow

@@ -13,7 +13,7 @@ from dflash_stream.config import config_from_dict
 from dflash_stream.drafter import DFlashDrafter, build_spec, export_drafter
 from dflash_stream.drafter import speculative as spec_module
 from dflash_stream.drafter.head import TargetHead
-from dflash_stream.drafter.speculative import greedy_generate, speculative_generate
+from dflash_stream.drafter.speculative import greedy_generate, replay_generate, speculative_generate
 from dflash_stream.target_model.shape import shape_from_config
 
 BLOCK = 4
@@ -90,6 +90,29 @@ def test_oracle_drafts_roll_back_exactly(family_target, monkeypatch):
     # The oracle's plan was carried out (the last step may be cut by max_new_tokens).
     assert fast.accepted[:-1] == steps[: len(fast.accepted) - 1]
     assert {0, 1, BLOCK - 1} <= set(fast.accepted)
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "mistral"])
+def test_replay_on_another_answer_takes_its_verdicts_from_that_answer(family, monkeypatch):
+    """An engine's answer that parts from the target's greedy one after 10 tokens: the replay emits that answer,
+    and each step accepts what the drafts share with it (the oracle drafts it, spoiled on schedule), as though
+    the target had answered so; on the target's own answer it takes speculative decoding's steps."""
+    target = make_target(family)
+    drafter, head, ids = make_drafter(target), TargetHead.from_model(target), prompt()
+    base = greedy_generate(target, ids, NEW_TOKENS, set())
+    foreign = torch.randint(3, VOCAB - 1, (NEW_TOKENS,), generator=torch.Generator().manual_seed(5)).tolist()
+    answer = base.tokens[:10] + [t for t in foreign if t != base.tokens[10]][: NEW_TOKENS - 10]
+    runs = {}
+    for name, path in (("own", base.tokens), ("engine's", answer), ("speculative", None)):
+        steps: list[int] = []
+        monkeypatch.setattr(spec_module, "_draft", oracle(ids[0].tolist() + (path or base.tokens), steps))
+        if path is None:
+            runs[name] = speculative_generate(target, drafter, head, ids, NEW_TOKENS, set())
+            continue
+        runs[name] = replay_generate(target, drafter, head, ids, path, NEW_TOKENS, set())
+        assert runs[name].tokens == path, (family, name)
+        assert runs[name].accepted[:-1] == steps[: len(runs[name].accepted) - 1], (family, name)
+    assert runs["own"].accepted == runs["speculative"].accepted, family
 
 
 @pytest.mark.parametrize("family", ["qwen3_5", "gemma3_text"])

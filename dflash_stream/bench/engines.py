@@ -256,7 +256,7 @@ class Bench:
                                     workdir=self.workdir / "engines" / name)
         row = {"note": note, "drafter": str(drafter), "block_size": result["block_size"],
                "engines": result["engines"], "engines_agree": result.get("engines_agree"),
-               "same_answers": result.get("same_answers"),
+               "same_answers": result.get("same_answers"), "on_engine_answers": result.get("on_engine_answers"),
                "speedup": result["speedup"], "speedup_note": result["speedup_note"],
                "target_tokens_per_s": result["engines"]["ours"]["target_tokens_per_s"]}
         if self.vllm_baseline:
@@ -305,7 +305,7 @@ def _num(value: float | None, digits: int) -> str:
 
 def table(result: dict[str, Any]) -> list[str]:
     """The side-by-side table: τ in each engine, their difference, the tokens per second of each."""
-    from dflash_stream.drafter.evaluate import same_answers_line
+    from dflash_stream.drafter.evaluate import on_engine_answers_line, same_answers_line
 
     lines = [f"{result['prompts']} held-out prompts, up to {result['max_new_tokens']} new tokens each, greedy",
              f"{'variant':<26}{'ours tau':>9}{'vLLM tau':>9}{'diff':>8}{'as target':>10}"
@@ -320,6 +320,8 @@ def table(result: dict[str, Any]) -> list[str]:
             notes.append(f"not served: {vllm['error']}")
         notes += [SERVED_NOTES[kind] for kind in vllm.get("notes", {})]
         if line := same_answers_line(row.get("same_answers"), result["prompts"]):
+            notes.append(line)
+        if line := on_engine_answers_line(row.get("on_engine_answers")):
             notes.append(line)
         diff = f"{100 * vllm['relative_difference']:+.2f}%" if "relative_difference" in vllm else ""
         as_target = f"{vllm['answers_as_target']}/{result['prompts']}" if "answers_as_target" in vllm else "-"

@@ -99,7 +99,7 @@ def _format(result: dict) -> str:
 
 def engine_table(result: dict) -> list[str]:
     """Each engine's τ as vLLM counts it, side by side, and whether its answers are the target's."""
-    from dflash_stream.drafter.evaluate import same_answers_line
+    from dflash_stream.drafter.evaluate import on_engine_answers_line, same_answers_line
 
     prompts = len(result["prompts"])
     lines = [f"{'engine':<8}{'tau':>8}{'vs ours':>9}{'drafts':>8}{'accepted':>10}{'as target':>11}  accepted per "
@@ -117,6 +117,8 @@ def engine_table(result: dict) -> list[str]:
     if result.get("engines_agree") is not None:
         lines.append(f"tau within 2 % of ours: {result['engines_agree']}")
     if line := same_answers_line(result.get("same_answers"), prompts):
+        lines.append(line)
+    if line := on_engine_answers_line(result.get("on_engine_answers")):
         lines.append(line)
     return lines
 

@@ -15,6 +15,7 @@ from dflash_stream.data.formats import RowError, split_for_regeneration, to_mess
 from dflash_stream.data.template import ChatEncoder
 from dflash_stream.drafter.export import load_drafter
 from dflash_stream.drafter.head import TargetHead
+from dflash_stream.drafter.model import DFlashDrafter
 from dflash_stream.drafter.served import (
     ServedEval,
     acceptance_figures,
@@ -22,7 +23,12 @@ from dflash_stream.drafter.served import (
     vllm_eval,
 )
 from dflash_stream.drafter.served_sglang import sglang_eval
-from dflash_stream.drafter.speculative import Generation, greedy_generate, speculative_generate
+from dflash_stream.drafter.speculative import (
+    Generation,
+    greedy_generate,
+    replay_generate,
+    speculative_generate,
+)
 from dflash_stream.log import get_logger, progress
 from dflash_stream.target_model.loading import load_target, resolve_device, stop_token_ids
 
@@ -132,11 +138,13 @@ class Evaluator:
         base_s = spec_s = 0.0
         emitted: list[int] = []
         steps: list[int] = []
+        runs: list[Generation] = []
         base_steps = 0
         for index, ids in enumerate(progress(iterable=self.encoded, desc="eval", unit="prompt")):
             base = self._reference(index, max_new_tokens, spec.block_size)
             base_steps += len(base.tokens)
             fast = speculative_generate(self.target, drafter, self.head, ids, max_new_tokens, self.stops)
+            runs.append(fast)
             base_s, spec_s = base_s + base.seconds, spec_s + fast.seconds
             for n in fast.accepted:
                 histogram[n] += 1
@@ -195,7 +203,33 @@ class Evaluator:
                 log.info("eval: on the %d prompts both engines answered as the target: tau %s ours, %s %s",
                          len(same["prompts"]), *(f"{t:.3f}" if t else "-" for t in (same["ours"], same[engine])),
                          ENGINE_NAMES[engine])
+                mirrored = result["on_engine_answers"] = self.on_engine_answers(
+                    drafter, engine, served, runs, max_new_tokens, spec.block_size)
+                if mirrored["replayed"]:
+                    log.info("eval: %s", on_engine_answers_line(mirrored))
         return result
+
+    def on_engine_answers(self, drafter: DFlashDrafter, engine: str, served: dict[str, Any], runs: list[Generation],
+                          max_new_tokens: int, block_size: int) -> dict[str, Any]:
+        """Our τ on the engine's own answers, beside the engine's: where its answer parts from our loop's (a
+        near-tie its kernels round the other way, bf16 targets above all), our drafter is replayed on its answer
+        (`replay_generate`), so both τ are drafted on the same text and any difference left is the engine's
+        drafting, not the target's kernels."""
+        histogram, replayed = [0] * block_size, 0
+        for index, (row, ours) in enumerate(zip(served["prompts"], runs, strict=True)):
+            if row["answer"] != ours.tokens:
+                ours = replay_generate(self.target, drafter, self.head, self.encoded[index], row["answer"],
+                                       max_new_tokens, self.stops)
+                replayed += 1
+            for n in ours.accepted:
+                histogram[n] += 1
+        mine = acceptance_figures(sum(histogram), sum(n * c for n, c in enumerate(histogram)),
+                                  per_position_from_histogram(histogram))
+        difference = relative_difference(served["acceptance_length"], mine["acceptance_length"])
+        return {"engine": engine, "prompts": len(runs), "replayed": replayed, "ours": mine,
+                engine: {k: served[k] for k in ("acceptance_length", "per_position", "drafts", "accepted_tokens")},
+                "relative_difference": difference,
+                "agree": None if difference is None else abs(difference) <= AGREEMENT}
 
     def served(self, engine: str, drafter_dir: str | Path, block_size: int, max_new_tokens: int,
                endpoint: str | None, workdir: str | Path | None) -> dict[str, Any]:
@@ -247,6 +281,17 @@ def same_answers_line(same: dict[str, Any] | None, prompts: int) -> str | None:
     taus = ("-" if t is None else f"{t:.3f}" for t in (same["ours"], same[engine]))
     return "on the {} prompts both engines answered as the target: tau {} ours, {} {}".format(
         len(same["prompts"]), *taus, ENGINE_NAMES[engine])
+
+
+def on_engine_answers_line(mirrored: dict[str, Any] | None) -> str | None:
+    """`on_engine_answers` in one line, when some prompt was replayed (else the engine table says it all)."""
+    if not mirrored or not mirrored["replayed"]:
+        return None
+    engine = mirrored["engine"]
+    taus = ("-" if t is None else f"{t:.3f}" for t in (mirrored["ours"]["acceptance_length"],
+                                                        mirrored[engine]["acceptance_length"]))
+    return "on {}'s own answers ({} of {} prompts replayed): tau {} ours, {} {}".format(
+        ENGINE_NAMES[engine], mirrored["replayed"], mirrored["prompts"], *taus, ENGINE_NAMES[engine])
 
 
 def relative_difference(tau: float | None, ours: float | None) -> float | None:

@@ -319,7 +319,7 @@ def _ask(job: ServedEval, url: str, block_size: int, max_new_tokens: int) -> dic
         now = settled_counters(url, None, last.drafts + (len(tokens) > 1))
         step = now.minus(last)
         prompts.append({"index": index, "verify_steps": step.drafts, "accepted": step.accepted,
-                        "as_target": tokens == job.references[index]})
+                        "as_target": tokens == job.references[index], "answer": tokens})
         last, new_tokens = now, new_tokens + len(tokens)
     after = last.minus(before)
     same = sum(p["as_target"] for p in prompts)

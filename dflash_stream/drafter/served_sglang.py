@@ -55,7 +55,7 @@ def sglang_eval(job: ServedEval, endpoint: str, block_size: int, max_new_tokens:
             histogram[n] += c
         drafts, accepted, new_tokens = drafts + steps, accepted + hits, new_tokens + len(tokens)
         prompts.append({"index": index, "verify_steps": steps, "accepted": hits,
-                        "as_target": tokens == job.references[index]})
+                        "as_target": tokens == job.references[index], "answer": tokens})
     same = sum(p["as_target"] for p in prompts)
     return {**acceptance_figures(drafts, accepted, per_position_from_histogram(histogram)),
             "new_tokens": new_tokens, "matches_target": same == len(job.references), "answers_as_target": same,

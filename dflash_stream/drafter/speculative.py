@@ -149,3 +149,52 @@ def speculative_generate(
         if any(t in stop_ids for t in tokens[-(n + 1) :]):
             break
     return Generation(_finish(tokens, max_new_tokens, stop_ids), time.perf_counter() - start, accepted)
+
+
+@torch.inference_mode()
+def replay_generate(
+    target: nn.Module,
+    drafter: DFlashDrafter,
+    head: TargetHead,
+    input_ids: Tensor,
+    answer: list[int],
+    max_new_tokens: int,
+    stop_ids: Collection[int],
+) -> Generation:
+    """`speculative_generate` on a given answer: the drafter drafts as there, but each verdict is the next token of
+    `answer` (another engine's greedy answer to the same prompt) instead of this target's argmax, and the target's
+    states come from one forward over the prompt and the answer. Where an engine's answer parts from ours (a
+    near-tie its kernels round the other way), our τ on its answer is the figure to hold its τ against: the same
+    text drafted on in both. On our own answer it gives `speculative_generate`'s steps (up to rounding).
+
+    A last block can reach past the answer's end (its accepted drafts are counted as both engines count them):
+    there the path goes on with this target's greedy continuation."""
+    start = time.perf_counter()
+    spec = drafter.spec
+    if not answer:
+        return Generation([], time.perf_counter() - start)
+    answer = answer[:max_new_tokens]
+    prompt_and_answer = torch.cat((input_ids, input_ids.new_tensor([answer])), dim=1)
+    path = answer + greedy_generate(target, prompt_and_answer, spec.block_size, ()).tokens
+    ids = torch.cat((input_ids, input_ids.new_tensor([path[:-1]])), dim=1)
+    out = target(ids, use_cache=False, output_hidden_states=True, logits_to_keep=1)
+    states = _features(out.hidden_states, spec.target_layer_ids)
+    positions = torch.arange(ids.shape[1], device=ids.device)[None]
+    length = input_ids.shape[1]
+    context = drafter.context_kv(states[:, :length], positions[:, :length])
+    tokens = [path[0]]
+    accepted: list[int] = []
+    offsets = torch.arange(spec.block_size, device=ids.device)[None]
+    while len(tokens) < min(max_new_tokens, len(answer)) and tokens[-1] not in stop_ids:
+        block = ids.new_full((1, spec.block_size), spec.mask_token_id)
+        block[0, 0] = tokens[-1]
+        block_pos = length + offsets
+        block[0, 1:] = _draft(drafter, head, block, block_pos, context)
+        verdict = ids.new_tensor(path[len(tokens) : len(tokens) + spec.block_size])  # B long: path runs on
+        n = int((block[0, 1:] == verdict[:-1]).cumprod(0).sum())
+        tokens += verdict[: n + 1].tolist()
+        accepted.append(n)
+        context = _append(context, drafter.context_kv(states[:, length : length + n + 1],
+                                                      positions[:, length : length + n + 1]))
+        length += n + 1
+    return Generation(_finish(tokens, max_new_tokens, stop_ids), time.perf_counter() - start, accepted)
