@@ -197,4 +197,6 @@ def replay_generate(
         context = _append(context, drafter.context_kv(states[:, length : length + n + 1],
                                                       positions[:, length : length + n + 1]))
         length += n + 1
+        if any(t in stop_ids for t in tokens[-(n + 1) :]):
+            break
     return Generation(_finish(tokens, max_new_tokens, stop_ids), time.perf_counter() - start, accepted)
