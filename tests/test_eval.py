@@ -245,4 +245,5 @@ def test_an_engines_answer_other_than_ours_is_replayed(setup, monkeypatch):
     assert mirrored["ours"] == {"acceptance_length": 1.0, "per_position": [0, 0, 0], "drafts": sum(steps),
                                 "accepted_tokens": 0}
     assert mirrored["sglang"]["drafts"] == sum(steps) and mirrored["agree"] is True
-    assert engine_table(result)[-1] == "on SGLang's own answers (1 of 2 prompts replayed): tau 1.000 ours, 1.000 SGLang"
+    assert engine_table(result)[-1] == ("on SGLang's own answers (1 of 2 prompts replayed): tau 1.000 ours, 1.000 "
+                                        "SGLang (+0.00 %, within 2 %: True)")

@@ -290,8 +290,10 @@ def on_engine_answers_line(mirrored: dict[str, Any] | None) -> str | None:
     engine = mirrored["engine"]
     taus = ("-" if t is None else f"{t:.3f}" for t in (mirrored["ours"]["acceptance_length"],
                                                         mirrored[engine]["acceptance_length"]))
-    return "on {}'s own answers ({} of {} prompts replayed): tau {} ours, {} {}".format(
-        ENGINE_NAMES[engine], mirrored["replayed"], mirrored["prompts"], *taus, ENGINE_NAMES[engine])
+    difference = mirrored["relative_difference"]
+    within = "" if difference is None else f" ({100 * difference:+.2f} %, within 2 %: {mirrored['agree']})"
+    return "on {}'s own answers ({} of {} prompts replayed): tau {} ours, {} {}{}".format(
+        ENGINE_NAMES[engine], mirrored["replayed"], mirrored["prompts"], *taus, ENGINE_NAMES[engine], within)
 
 
 def relative_difference(tau: float | None, ours: float | None) -> float | None:
