@@ -18,8 +18,7 @@ from dflash_stream.drafter.head import TargetHead
 from dflash_stream.drafter.model import DFlashDrafter
 from dflash_stream.drafter.served import (
     ServedEval,
-    acceptance_figures,
-    per_position_from_histogram,
+    histogram_figures,
     vllm_eval,
 )
 from dflash_stream.drafter.served_sglang import sglang_eval
@@ -164,8 +163,7 @@ class Evaluator:
         tau = sum(emitted) / sum(steps) if sum(steps) else None
         speedup = base_s / spec_s if spec_s else None
         new_tokens = sum(p["new_tokens"] for p in per_prompt)
-        ours = {**acceptance_figures(sum(steps), sum(n * c for n, c in enumerate(histogram)),
-                                     per_position_from_histogram(histogram)),
+        ours = {**histogram_figures(histogram),
                 "new_tokens": new_tokens, "matches_target": all(p["matches_target"] for p in per_prompt),
                 "seconds": round(spec_s, 4), "tokens_per_s": round(new_tokens / spec_s, 2) if spec_s else None,
                 "target_tokens_per_s": round(new_tokens / base_s, 2) if base_s else None}
@@ -203,19 +201,19 @@ class Evaluator:
                 log.info("eval: on the %d prompts both engines answered as the target: tau %s ours, %s %s",
                          len(same["prompts"]), *(f"{t:.3f}" if t else "-" for t in (same["ours"], same[engine])),
                          ENGINE_NAMES[engine])
-                mirrored = result["on_engine_answers"] = self.on_engine_answers(
-                    drafter, engine, served, runs, max_new_tokens, spec.block_size)
+                mirrored = result["on_engine_answers"] = self.on_engine_answers(drafter, engine, served, runs,
+                                                                                max_new_tokens)
                 if mirrored["replayed"]:
                     log.info("eval: %s", on_engine_answers_line(mirrored))
         return result
 
     def on_engine_answers(self, drafter: DFlashDrafter, engine: str, served: dict[str, Any], runs: list[Generation],
-                          max_new_tokens: int, block_size: int) -> dict[str, Any]:
+                          max_new_tokens: int) -> dict[str, Any]:
         """Our τ on the engine's own answers, beside the engine's: where its answer parts from our loop's (a
         near-tie its kernels round the other way, bf16 targets above all), our drafter is replayed on its answer
         (`replay_generate`), so both τ are drafted on the same text and any difference left is the engine's
         drafting, not the target's kernels."""
-        histogram, replayed = [0] * block_size, 0
+        histogram, replayed = [0] * drafter.spec.block_size, 0
         for index, (row, ours) in enumerate(zip(served["prompts"], runs, strict=True)):
             if row["answer"] != ours.tokens:
                 ours = replay_generate(self.target, drafter, self.head, self.encoded[index], row["answer"],
@@ -223,8 +221,7 @@ class Evaluator:
                 replayed += 1
             for n in ours.accepted:
                 histogram[n] += 1
-        mine = acceptance_figures(sum(histogram), sum(n * c for n, c in enumerate(histogram)),
-                                  per_position_from_histogram(histogram))
+        mine = histogram_figures(histogram)
         difference = relative_difference(served["acceptance_length"], mine["acceptance_length"])
         return {"engine": engine, "prompts": len(runs), "replayed": replayed, "ours": mine,
                 engine: {k: served[k] for k in ("acceptance_length", "per_position", "drafts", "accepted_tokens")},

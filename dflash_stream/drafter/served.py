@@ -75,6 +75,12 @@ def per_position_from_histogram(histogram: list[int]) -> list[int]:
     return [sum(histogram[k + 1:]) for k in range(len(histogram) - 1)]
 
 
+def histogram_figures(histogram: list[int]) -> dict[str, Any]:
+    """`acceptance_figures` of `histogram[n]` = verification steps that accepted n drafted tokens."""
+    return acceptance_figures(sum(histogram), sum(n * c for n, c in enumerate(histogram)),
+                              per_position_from_histogram(histogram))
+
+
 def metrics_url(base_url: str) -> str:
     """The server's Prometheus page: `/metrics` at the root of the OpenAI base URL's host."""
     parts = urlsplit(base_url)
