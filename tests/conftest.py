@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from dflash_stream.config import DEMO_GGUF
+from dflash_stream.regenerate.servers import VLLM_VENV
 
 
 def demo_model_dir() -> Path | None:
@@ -113,7 +114,11 @@ def servers(_servers_started_early):
     return _servers_started_early["servers"].result()
 
 
-VLLM_PYTHON = Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python"
+VLLM_PYTHON = Path(__file__).resolve().parents[1] / VLLM_VENV / "bin" / "python"
+needs_vllm = pytest.mark.skipif(
+    not VLLM_PYTHON.exists(),
+    reason=f"no {VLLM_VENV}: `make vllm-env` makes it (`make test` does where a disk holds its ~7 GB)")
+"""For the tests that run vLLM's CPU build."""
 
 
 @pytest.fixture(scope="session")
@@ -170,5 +175,5 @@ class ExtractionServer:
 def vllm_extraction_server(_servers_started_early):
     """One vLLM extraction server per pytest run (minutes to start on this CPU), shared by the tests that ask."""
     if not VLLM_PYTHON.exists():
-        pytest.skip(f"no {VLLM_PYTHON.parents[1].name}: `make vllm-env` makes it (`make test` does)")
+        pytest.skip(needs_vllm.kwargs["reason"])
     return _servers_started_early["vllm_extraction_server"].result()

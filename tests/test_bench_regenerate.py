@@ -11,12 +11,13 @@ from pathlib import Path
 import psutil
 import pytest
 import yaml
+from conftest import VLLM_PYTHON, needs_vllm
 
 from dflash_stream.bench.regenerate import BenchOptions, run_bench, table
 from dflash_stream.bench.synthetic import DEMO_DATA
 from dflash_stream.cli import main
 from dflash_stream.config import config_from_dict
-from dflash_stream.regenerate.servers import VLLM_VENV, LocalServer, vllm_binding
+from dflash_stream.regenerate.servers import LocalServer, vllm_binding
 
 REPO = Path(__file__).resolve().parents[1]
 ENTRY_KEYS = {"tokens_per_s", "seconds", "responses", "agree_with_hf"}
@@ -92,8 +93,7 @@ def test_vllm_binding_is_read_from_its_log():
 
 @pytest.mark.slow
 @pytest.mark.skipif(bool(os.environ.get("CI")), reason="starts a vLLM server (minutes on a CPU); not in CI")
-@pytest.mark.skipif(not (REPO / VLLM_VENV / "bin" / "python").exists(),
-                    reason=f"no {VLLM_VENV}: make it with `make vllm-env`")
+@needs_vllm
 def test_vllm_answers_as_hf_does_on_the_demo_target(tmp_path):
     # The demo target itself: vLLM's CPU attention refuses the tiny model's 16-wide heads.
     tree = yaml.safe_load((REPO / "configs" / "demo.yaml").read_text())
@@ -102,7 +102,7 @@ def test_vllm_answers_as_hf_does_on_the_demo_target(tmp_path):
     tree["output_dir"] = str(tmp_path / "out")
     tree["store"]["path"] = str(tmp_path / "out" / "store")
     options = BenchOptions(prompts=4, max_new_tokens=8, engines=["hf", "vllm"], workdir=tmp_path / "work",
-                           vllm_python=REPO / VLLM_VENV / "bin" / "python")
+                           vllm_python=VLLM_PYTHON)
     result = run_bench(config_from_dict(tree), options)
     check_shape(result, 4, 8, {"hf", "vllm"})
     entry = result["engines"]["vllm"]

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import VLLM_PYTHON, needs_vllm
 from test_drafter import LAYERS, block_forward, features, make_cfg, small_spec
 from test_pipeline import write_run_config
 
@@ -35,7 +36,6 @@ from dflash_stream.pipeline.audit import audit_run
 from dflash_stream.target_model import target_shape
 
 REPO = Path(__file__).parent.parent
-VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
 
 
 def dflash2_spec(**kw):
@@ -241,6 +241,7 @@ def test_dflash2_speculative_decoding_equals_the_targets_greedy_output(exported,
 
 
 @pytest.mark.slow
+@needs_vllm
 def test_export_loads_into_vllms_dflash2_module_with_the_same_numbers(exported, tiny_target_dir, tmp_path):
     """In vLLM 0.32's environment: DFlash2Qwen3ForCausalLM's parameters are exactly the export's tensors (names,
     shapes, values; stacked q/k/v and gate/up as its loader stacks them), an unknown tensor is refused; its pure
@@ -249,8 +250,6 @@ def test_export_loads_into_vllms_dflash2_module_with_the_same_numbers(exported, 
     candidates and logits, and the same edge scores, whose walk is our draft."""
     from transformers import AutoModelForCausalLM
 
-    if not VLLM_PYTHON.exists():
-        pytest.skip(".venv-vllm is not installed")
     cfg, spec, drafter, out = exported
     g = torch.Generator().manual_seed(6)
     head = TargetHead.from_model(AutoModelForCausalLM.from_pretrained(tiny_target_dir))

