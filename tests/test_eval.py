@@ -17,7 +17,15 @@ from dflash_stream.drafter import (
     export_drafter,
     load_target_head,
 )
-from dflash_stream.drafter.evaluate import Evaluator, _stderr, read_prompts, render_prompt, stop_token_ids
+from dflash_stream.drafter.evaluate import (
+    Evaluator,
+    _stderr,
+    read_prompts,
+    relative_difference,
+    render_prompt,
+    run_summary,
+    stop_token_ids,
+)
 from dflash_stream.drafter.head import TargetHead
 from dflash_stream.drafter.speculative import greedy_generate, replay_generate, speculative_generate
 from dflash_stream.target_model import model_shape, target_shape
@@ -247,3 +255,12 @@ def test_an_engines_answer_other_than_ours_is_replayed(setup, monkeypatch):
     assert mirrored["sglang"]["drafts"] == sum(steps) and mirrored["agree"] is True
     assert engine_table(result)[-1] == ("on SGLang's own answers (1 of 2 prompts replayed): tau 1.000 ours, 1.000 "
                                         "SGLang (+0.00 %, within 2 %: True)")
+    # The run summary carries the engine's τ beside ours, on its own answers too.
+    summary = run_summary(result)
+    assert summary["engine"] == {"name": "sglang", "acceptance_length": 1.0,
+                                 "relative_difference": relative_difference(1.0, result["acceptance_length"]),
+                                 "agree": result["engines_agree"]}
+    assert summary["on_engine_answers"] == {"replayed": 1, "prompts": 2, "ours": 1.0, "sglang": 1.0,
+                                            "relative_difference": 0.0, "agree": True}
+    assert set(run_summary({**result, "engines": {"ours": {}}, "on_engine_answers": None})) == {
+        "acceptance_length", "matches_target", "speedup"}

@@ -293,6 +293,27 @@ def on_engine_answers_line(mirrored: dict[str, Any] | None) -> str | None:
         ENGINE_NAMES[engine], mirrored["replayed"], mirrored["prompts"], *taus, ENGINE_NAMES[engine], within)
 
 
+def run_summary(result: dict[str, Any]) -> dict[str, Any]:
+    """The figures of an eval result that the run summary (summary.json's `eval`) carries: our τ, and where an
+    engine served the drafter (`eval.endpoint`) its τ beside ours, on its own answers too when some were replayed,
+    so that the run's closing figures are the ones the user's engine gives."""
+    fields = {k: result[k] for k in ("acceptance_length", "matches_target", "speedup") if k in result}
+    for engine, served in result.get("engines", {}).items():
+        if engine != "ours":
+            fields["engine"] = {"name": engine, "acceptance_length": served.get("acceptance_length"),
+                                "relative_difference": served.get("relative_difference"),
+                                "agree": result.get("engines_agree"),
+                                **({"error": served["error"]} if "error" in served else {})}
+    mirrored = result.get("on_engine_answers")
+    if mirrored and mirrored["replayed"]:
+        fields["on_engine_answers"] = {"replayed": mirrored["replayed"], "prompts": mirrored["prompts"],
+                                       "ours": mirrored["ours"]["acceptance_length"],
+                                       mirrored["engine"]: mirrored[mirrored["engine"]]["acceptance_length"],
+                                       "relative_difference": mirrored["relative_difference"],
+                                       "agree": mirrored["agree"]}
+    return fields
+
+
 def relative_difference(tau: float | None, ours: float | None) -> float | None:
     """An engine's τ relative to ours (0.01 = 1 % higher); None when either has none."""
     return None if tau is None or not ours else round(tau / ours - 1, 5)

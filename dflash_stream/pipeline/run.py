@@ -186,7 +186,7 @@ def _finish_training(cfg: Config, role: RoleInfo, trainer) -> dict[str, Any]:
     export = retry_when_full(f"the drafter export {run.drafter}", run.root, lambda: trainer.export(run.drafter))
     fields["export"] = str(export)
     if cfg.eval.prompts:
-        from dflash_stream.drafter import evaluate
+        from dflash_stream.drafter.evaluate import ENGINE_NAMES, evaluate, run_summary
 
         if cfg.eval.engine == "vllm" and not cfg.eval.endpoint:
             log.info("eval.engine vllm without eval.endpoint: the end-of-run eval stays ours (a local vLLM server "
@@ -196,11 +196,15 @@ def _finish_training(cfg: Config, role: RoleInfo, trainer) -> dict[str, Any]:
                           engine=served_engine(cfg.eval.engine, cfg.eval.endpoint) if cfg.eval.endpoint else "ours",
                           endpoint=cfg.eval.endpoint)
         run.eval.write_text(json.dumps(result, indent=2))
-        fields["eval"] = {k: result[k] for k in ("acceptance_length", "matches_target", "speedup") if k in result}
+        fields["eval"] = run_summary(result)
         log.info(
             "held-out acceptance length tau = %.3f (matches target: %s, speedup %.2fx)",
             result["acceptance_length"], result["matches_target"], result.get("speedup", float("nan")),
         )
+        served = fields["eval"].get("engine")
+        if served and served["acceptance_length"] is not None:
+            log.info("held-out tau in %s = %.3f (%+.2f %% against ours)", ENGINE_NAMES[served["name"]],
+                     served["acceptance_length"], 100 * (served["relative_difference"] or 0.0))
     return fields
 
 
