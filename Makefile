@@ -34,7 +34,7 @@ demo-served: setup
 # holds its ~7 GB; without one, those tests skip.
 test: setup
 	PY=$(PY) scripts/vllm-env --if-room
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=20
 
 lint: setup
 	$(BIN)/ruff check dflash_stream tests
