@@ -5,6 +5,8 @@ hub checkpoints are (VLM wrappers included); and captured states of a padded bat
 from __future__ import annotations
 
 import json
+import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -41,8 +43,8 @@ LAYER_KINDS = {
 
 
 @pytest.fixture(scope="module")
-def targets(demo_tokenizer_dir, tmp_path_factory) -> dict[str, Path]:
-    """Each family saved once per module, lazily."""
+def targets(demo_tokenizer_dir, tmp_path_factory) -> Iterator[dict[str, Path]]:
+    """Each family saved once per module, lazily; removed after it (~400 MB in all, which a CI disk may lack)."""
     root = tmp_path_factory.mktemp("families")
 
     class Lazy(dict):
@@ -50,7 +52,8 @@ def targets(demo_tokenizer_dir, tmp_path_factory) -> dict[str, Path]:
             self[family] = save_target(family, root / family, demo_tokenizer_dir)
             return self[family]
 
-    return Lazy()
+    yield Lazy()
+    shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.mark.parametrize("family", PARAMS)
