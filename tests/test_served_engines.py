@@ -9,6 +9,7 @@ import dataclasses
 import json
 import logging
 import re
+import time
 from pathlib import Path
 
 import pytest
@@ -21,7 +22,7 @@ from dflash_stream.bench.tiny_targets import build_config
 from dflash_stream.config import ConfigError, config_from_dict
 from dflash_stream.drafter import DFlashDrafter, build_spec, export_drafter, load_drafter
 from dflash_stream.drafter.evaluate import relative_difference, speedup_note
-from dflash_stream.drafter.export import OWN_EMBEDDING, spec_from_zlab_config, zlab_config
+from dflash_stream.drafter.export import OWN_EMBEDDING, WEIGHTS, spec_from_zlab_config, zlab_config
 from dflash_stream.drafter.served import (
     SpecCounters,
     acceptance_figures,
@@ -31,7 +32,9 @@ from dflash_stream.drafter.served import (
     parse_counters,
     per_position_from_histogram,
     served_notes,
+    server_start_time,
     sliding_target_note,
+    started_before_export_note,
 )
 from dflash_stream.regenerate.servers import VLLM_VENV, LocalServer, ServerError, vllm_error
 from dflash_stream.target_model.shape import shape_from_config
@@ -74,6 +77,28 @@ def test_counters_are_read_as_vllm_defines_them():
     assert figures["acceptance_length"] == pytest.approx(1 + 10 / 16)
     assert figures["per_position"] == [6, 3, 1] and acceptance_figures(0, 0, [])["acceptance_length"] is None
     assert metrics_url("http://node0:8000/v1") == "http://node0:8000/metrics"
+
+
+def test_a_server_started_before_the_export_is_flagged(tmp_path, monkeypatch):
+    """vLLM reads its speculator once, at start: `eval --endpoint` flags a server that started (its `/metrics`'
+    process_start_time_seconds) over CLOCK_SLACK_S before the export's weights were written."""
+    import httpx
+
+    export = tmp_path / "drafter"
+    export.mkdir()
+    (export / WEIGHTS).write_bytes(b"")
+    written, url = (export / WEIGHTS).stat().st_mtime, "http://node0:8000/v1"
+    page = {"text": METRICS + "# TYPE process_start_time_seconds gauge\n"
+                              f"process_start_time_seconds {written - 3600}\n"}
+    monkeypatch.setattr(httpx, "get", lambda address, timeout: httpx.Response(200, text=page["text"]))
+    started = server_start_time(url)
+    assert started == pytest.approx(written - 3600)
+    note = started_before_export_note(url, started, export)
+    assert note.startswith(f"the server at {url} started at ") and f"before {export} was written" in note
+    for close_enough in (written - 30, written + 5, None):  # within the clocks' slack, after, or not published
+        assert started_before_export_note(url, close_enough, export) is None
+    page["text"] = METRICS
+    assert server_start_time(url) is None
 
 
 def test_our_histogram_counts_per_position_as_vllm_does():
@@ -533,6 +558,9 @@ def test_vllm_serving_the_drafter_accepts_as_our_loop_does(served_drafter, capsy
     assert (same["ours"], same["vllm"]) == (ours["acceptance_length"], vllm["acceptance_length"])
     mirrored = result["on_engine_answers"]  # vLLM's answers are ours: nothing to replay
     assert mirrored["replayed"] == 0 and mirrored["ours"]["drafts"] == ours["drafts"] and mirrored["agree"] is True
+    # vLLM says when it started: after the export, so nothing is flagged.
+    assert time.time() - 3600 < vllm["server_started"] < time.time()
+    assert "started_before_export" not in vllm.get("notes", {})
 
 
 @pytest.mark.slow

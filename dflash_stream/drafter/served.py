@@ -41,6 +41,10 @@ SETTLE_S = 5.0
 outputs arrive)."""
 PROBE_TIMEOUT_S = 300.0
 """For `stacked_norm_probe.py`: importing vLLM takes ~10 s on a small idle CPU, far longer on a loaded one."""
+STARTED = "process_start_time_seconds"
+"""Prometheus' process collector: when the server's process started (vLLM publishes it with one API server)."""
+CLOCK_SLACK_S = 60.0
+"""How far two hosts' clocks may disagree: a server started less than this before an export is not flagged."""
 
 
 class EngineError(DFlashError):
@@ -135,6 +139,35 @@ def settled_counters(base_url: str, headers: dict[str, str] | None, drafts_at_le
             return now
         last = now
     return last
+
+
+def server_start_time(base_url: str) -> float | None:
+    """When the server at `base_url` started (Unix time, from its `/metrics`), or None where it does not say."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        response = httpx.get(metrics_url(base_url), timeout=30.0)
+    except httpx.HTTPError:
+        return None
+    if response.status_code != 200:
+        return None
+    for family in text_string_to_metric_families(response.text):
+        for sample in family.samples:
+            if sample.name == STARTED:
+                return sample.value
+    return None
+
+
+def started_before_export_note(base_url: str, started: float | None, drafter_dir: str | Path) -> str | None:
+    """Why a server may draft with another drafter than the export at `drafter_dir`: it started before the export
+    was written, and vLLM reads its speculator once, at start. None when it started after, or does not say when."""
+    written = (Path(drafter_dir) / WEIGHTS).stat().st_mtime
+    if started is None or started >= written - CLOCK_SLACK_S:
+        return None
+    server_at, export_at = (time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t)) for t in (started, written))
+    return (f"the server at {base_url} started at {server_at}, before {drafter_dir} was written "
+            f"({export_at}): vLLM reads its speculator once, at start, so unless that export is unchanged "
+            "since, these figures are an older drafter's; restart the server on it")
 
 
 # -- the drafter as an engine serves it ---------------------------------------------------------------------------
@@ -245,10 +278,13 @@ def vllm_eval(job: ServedEval, drafter_dir: str | Path, block_size: int, max_new
 
     if endpoint is not None:  # a server elsewhere, on a device this process cannot probe
         notes = served_notes(drafter_dir, target=job.target)
+        started = server_start_time(endpoint)
+        if stale := started_before_export_note(endpoint, started, drafter_dir):
+            notes["started_before_export"] = stale
         for note in notes.values():
             log.warning("eval: %s", note)
         entry = _ask(job, endpoint, block_size, max_new_tokens)
-        entry["server"] = endpoint
+        entry["server"], entry["server_started"] = endpoint, started
         return {**entry, **({"notes": notes} if notes else {})}
     python = vllm_python()
     if not python.exists():

@@ -192,10 +192,9 @@ def _finish_training(cfg: Config, role: RoleInfo, trainer) -> dict[str, Any]:
             log.info("eval.engine vllm without eval.endpoint: the end-of-run eval stays ours (a local vLLM server "
                      "would compete with this run's processes); `dflash-stream eval --engine vllm --drafter %s` "
                      "measures vLLM's tau after the run", export)
-        if cfg.eval.endpoint:
-            log.warning("eval.endpoint %s: its figures are this drafter's only if that server was started on %s "
-                        "after this export (vLLM and SGLang read their speculator once, at start); restarted on "
-                        "it, `dflash-stream eval --endpoint` measures it again", cfg.eval.endpoint, export)
+        if cfg.eval.engine == "sglang":  # vLLM's start time is checked against the export's (served.py)
+            log.warning("eval.endpoint %s: its figures are this drafter's only if that SGLang server was started on "
+                        "%s after this export (it reads its draft model once, at start)", cfg.eval.endpoint, export)
         result = evaluate(cfg, export, cfg.eval.prompts, cfg.eval.max_new_tokens,
                           engine=served_engine(cfg.eval.engine, cfg.eval.endpoint) if cfg.eval.endpoint else "ours",
                           endpoint=cfg.eval.endpoint)
