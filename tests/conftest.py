@@ -11,6 +11,15 @@ import pytest
 
 from dflash_stream.config import DEMO_GGUF
 from dflash_stream.regenerate.servers import VLLM_VENV
+from dflash_stream.store import lease
+
+
+@pytest.fixture(autouse=True)
+def _leases_released():
+    """A test's store leases end with it, as a process's end with the process: its folders go when it passes
+    (tmp_path_retention_policy), and the leases' heartbeat would find them gone and warn, in another test."""
+    yield
+    lease.release_all()
 
 
 def demo_model_dir() -> Path | None:
