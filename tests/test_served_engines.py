@@ -90,7 +90,7 @@ def test_a_server_started_before_the_export_is_flagged(tmp_path, monkeypatch):
     written, url = (export / WEIGHTS).stat().st_mtime, "http://node0:8000/v1"
     page = {"text": METRICS + "# TYPE process_start_time_seconds gauge\n"
                               f"process_start_time_seconds {written - 3600}\n"}
-    monkeypatch.setattr(httpx, "get", lambda address, timeout: httpx.Response(200, text=page["text"]))
+    monkeypatch.setattr(httpx, "get", lambda address, **_: httpx.Response(200, text=page["text"]))
     started = server_start_time(url)
     assert started == pytest.approx(written - 3600)
     note = started_before_export_note(url, started, export)

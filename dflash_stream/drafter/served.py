@@ -113,7 +113,8 @@ def parse_counters(text: str) -> SpecCounters | None:
                         tuple(int(per_position.get(k, 0)) for k in range(max(per_position, default=-1) + 1)))
 
 
-def read_counters(base_url: str, headers: dict[str, str] | None = None) -> SpecCounters:
+def metrics_page(base_url: str, headers: dict[str, str] | None = None) -> str:
+    """The server's `/metrics` text."""
     url = metrics_url(base_url)
     try:
         response = httpx.get(url, headers=headers, timeout=30.0)
@@ -121,9 +122,13 @@ def read_counters(base_url: str, headers: dict[str, str] | None = None) -> SpecC
         raise EngineError(f"eval: cannot read {url}: {type(err).__name__}: {err}") from None
     if response.status_code != 200:
         raise EngineError(f"eval: {url} answered HTTP {response.status_code}: the engine publishes no metrics")
-    counters = parse_counters(response.text)
+    return response.text
+
+
+def read_counters(base_url: str, headers: dict[str, str] | None = None) -> SpecCounters:
+    counters = parse_counters(metrics_page(base_url, headers))
     if counters is None:
-        raise EngineError(f"eval: {url} has no {DRAFTS}_total: the server at {base_url} serves no speculator")
+        raise EngineError(f"eval: {metrics_url(base_url)} has no {DRAFTS}_total: the server at {base_url} serves no speculator")
     return counters
 
 
@@ -146,12 +151,10 @@ def server_start_time(base_url: str) -> float | None:
     from prometheus_client.parser import text_string_to_metric_families
 
     try:
-        response = httpx.get(metrics_url(base_url), timeout=30.0)
-    except httpx.HTTPError:
+        page = metrics_page(base_url)
+    except EngineError:
         return None
-    if response.status_code != 200:
-        return None
-    for family in text_string_to_metric_families(response.text):
+    for family in text_string_to_metric_families(page):
         for sample in family.samples:
             if sample.name == STARTED:
                 return sample.value

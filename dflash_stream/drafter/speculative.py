@@ -104,6 +104,22 @@ def _draft(drafter: DFlashDrafter, head: TargetHead, block: Tensor, positions: T
     return drafter.propose(head, block, positions, context)[0]
 
 
+def _drafted_block(drafter: DFlashDrafter, head: TargetHead, last: int, length: int, offsets: Tensor,
+                   context: list[KV]) -> tuple[Tensor, Tensor]:
+    """The next block to verify, [1, B], and its positions: the last kept token, then the drafter's B-1 guesses."""
+    spec = drafter.spec
+    block = offsets.new_full((1, spec.block_size), spec.mask_token_id)
+    block[0, 0] = last
+    block_pos = length + offsets
+    block[0, 1:] = _draft(drafter, head, block, block_pos, context)
+    return block, block_pos
+
+
+def _accepted(block: Tensor, verdict: Tensor) -> int:
+    """How many of the block's drafts agree with the verdicts before the first that does not."""
+    return int((block[0, 1:] == verdict[:-1]).cumprod(0).sum())
+
+
 @torch.inference_mode()
 def speculative_generate(
     target: nn.Module,
@@ -129,14 +145,10 @@ def speculative_generate(
     accepted: list[int] = []
     offsets = torch.arange(spec.block_size, device=input_ids.device)[None]
     while len(tokens) < max_new_tokens and tokens[-1] not in stop_ids:
-        block = input_ids.new_full((1, spec.block_size), spec.mask_token_id)
-        block[0, 0] = tokens[-1]
-        block_pos = length + offsets
-        block[0, 1:] = _draft(drafter, head, block, block_pos, context)
-
+        block, block_pos = _drafted_block(drafter, head, tokens[-1], length, offsets, context)
         out = target(block, cache=cache, use_cache=True, output_hidden_states=True)
         verdict = out.logits[0].argmax(-1)  # the target's next token after each block position
-        n = int((block[0, 1:] == verdict[:-1]).cumprod(0).sum())
+        n = _accepted(block, verdict)
         tokens += block[0, 1 : n + 1].tolist() + [int(verdict[n])]
         accepted.append(n)
 
@@ -186,12 +198,9 @@ def replay_generate(
     accepted: list[int] = []
     offsets = torch.arange(spec.block_size, device=ids.device)[None]
     while len(tokens) < min(max_new_tokens, len(answer)) and tokens[-1] not in stop_ids:
-        block = ids.new_full((1, spec.block_size), spec.mask_token_id)
-        block[0, 0] = tokens[-1]
-        block_pos = length + offsets
-        block[0, 1:] = _draft(drafter, head, block, block_pos, context)
+        block, _ = _drafted_block(drafter, head, tokens[-1], length, offsets, context)
         verdict = ids.new_tensor(path[len(tokens) : len(tokens) + spec.block_size])  # B long: path runs on
-        n = int((block[0, 1:] == verdict[:-1]).cumprod(0).sum())
+        n = _accepted(block, verdict)
         tokens += verdict[: n + 1].tolist()
         accepted.append(n)
         context = _append(context, drafter.context_kv(states[:, length : length + n + 1],
