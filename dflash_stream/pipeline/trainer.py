@@ -25,6 +25,7 @@ written; then rank 0 publishes and they release what it records.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import signal
@@ -677,6 +678,7 @@ def train_command(args: argparse.Namespace) -> int:
     trainer = Trainer(cfg, role, store, metrics, device)
     trainer.data_wait.timeout = args.wait_timeout
     trainer.data_wait.extract_command = f"dflash-stream extract --config {args.config}"
+    finished = False
     try:
         finished = trainer.run()
         summary = {
@@ -695,8 +697,12 @@ def train_command(args: argparse.Namespace) -> int:
         lease.release_all()
         # Left to interpreter exit, a trainer that ended before another (rank 0 still exporting, or both
         # stopping on the same error) can abort in gloo's teardown ("terminate called without an active
-        # exception", exit -6).
+        # exception", exit -6); destroyed while rank 0 still exports, it did too (once in ~10 test runs), so
+        # finished ranks first wait for each other. A peer that died makes the barrier fail at once.
         if dist.is_initialized():
+            if finished:
+                with contextlib.suppress(RuntimeError):
+                    dist.barrier()
             dist.destroy_process_group()
     if finished:
         return 0
