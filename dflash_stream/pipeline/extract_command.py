@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 
 import torch
-import torch.distributed as dist
 
 from dflash_stream.config import Config, load_config
 from dflash_stream.log import get_logger, setup_logging
@@ -19,7 +18,7 @@ from dflash_stream.pipeline.common import check_host_memory, open_store, save_re
 from dflash_stream.pipeline.extractor import Extractor
 from dflash_stream.pipeline.guard import hold_output, stop_with_launcher
 from dflash_stream.pipeline.replay import StoreReplay
-from dflash_stream.pipeline.roles import RoleInfo, assign_uniform
+from dflash_stream.pipeline.roles import RoleInfo, assign_uniform, leave_process_group
 from dflash_stream.pipeline.served_extractor import ServedExtractor
 from dflash_stream.preflight import check_run_paths
 from dflash_stream.store import Store, lease
@@ -69,8 +68,7 @@ def extract_command(args: argparse.Namespace) -> int:
     log.info("extracted %d samples, %d tokens in %.1f s (%.0f tok/s, %.1f s waiting on the store)",
              summary["samples"], summary["tokens"], summary["extract_seconds"], summary["tok_s"],
              summary["backpressure_seconds"])
-    if dist.is_initialized():  # as `train` does: not left to interpreter exit
-        dist.destroy_process_group()
+    leave_process_group()
     return 0
 
 

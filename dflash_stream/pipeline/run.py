@@ -33,7 +33,13 @@ from dflash_stream.observe.summary import (
 from dflash_stream.pipeline import checkpoint as ckpt
 from dflash_stream.pipeline.common import check_host_memory, open_store, save_resolved_config, store_layout
 from dflash_stream.pipeline.guard import hold_output, stop_with_launcher
-from dflash_stream.pipeline.roles import RoleInfo, assign_role, init_distributed, resolve_launch
+from dflash_stream.pipeline.roles import (
+    RoleInfo,
+    assign_role,
+    init_distributed,
+    leave_process_group,
+    resolve_launch,
+)
 from dflash_stream.preflight import check_run_paths
 from dflash_stream.rundir import RunDir, write_atomic
 from dflash_stream.store import WriterStopped, lease
@@ -322,6 +328,7 @@ def run_command(args: argparse.Namespace) -> int:
         if role.role in ("trainer", "single") else MetricsWriter(output, role.role, role.index)
     )
     metrics.log("start", config=cfg.model_dump(mode="json"))
+    status = None
     try:
         if role.role == "single":
             fields, finished = run_single(cfg, role, store, metrics, device)
@@ -346,8 +353,8 @@ def run_command(args: argparse.Namespace) -> int:
     finally:
         metrics.close()
         lease.release_all()
-    if dist.is_initialized():
-        dist.destroy_process_group()
+        # Extractors leave at once: their devices are free for trainer 0's eval.
+        leave_process_group(role.trainer_group if status is not None else None)
     return status
 
 

@@ -25,7 +25,6 @@ written; then rank 0 publishes and they release what it records.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import signal
@@ -50,7 +49,7 @@ from dflash_stream.pipeline.common import log_store_event
 from dflash_stream.pipeline.cores import HostCores
 from dflash_stream.pipeline.position import DataPosition
 from dflash_stream.pipeline.rng import RngState
-from dflash_stream.pipeline.roles import RoleInfo
+from dflash_stream.pipeline.roles import RoleInfo, leave_process_group
 from dflash_stream.pipeline.rollback import ReleaseJournal
 from dflash_stream.pipeline.schedule import WarmupCosine
 from dflash_stream.pipeline.signals import StopRequest
@@ -695,15 +694,7 @@ def train_command(args: argparse.Namespace) -> int:
         trainer.close()
         metrics.close()
         lease.release_all()
-        # Left to interpreter exit, a trainer that ended before another (rank 0 still exporting, or both
-        # stopping on the same error) can abort in gloo's teardown ("terminate called without an active
-        # exception", exit -6); destroyed while rank 0 still exports, it did too (once in ~10 test runs), so
-        # finished ranks first wait for each other. A peer that died makes the barrier fail at once.
-        if dist.is_initialized():
-            if finished:
-                with contextlib.suppress(RuntimeError):
-                    dist.barrier()
-            dist.destroy_process_group()
+        leave_process_group(trainer.group if finished else None)
     if finished:
         return 0
     # Stopped by a signal (here or on another trainer): exit the way a shell reports death by it.
