@@ -18,8 +18,10 @@ $(BIN)/dflash-stream: pyproject.toml
 setup: $(BIN)/dflash-stream
 
 # A fresh demo each time (a rerun of the same output folder would resume the finished run instead). Its last step
-# puts vLLM's tau beside ours when .venv-vllm exists (`make vllm-env`), and does nothing otherwise.
+# puts vLLM's tau beside ours when .venv-vllm exists (`make vllm-env`; a complete one that another checkout built
+# is linked first), and does nothing otherwise.
 demo: setup
+	PY=$(PY) scripts/vllm-env --if-built
 	rm -rf runs/demo
 	$(BIN)/accelerate launch --config_file launch/cpu-2proc.yaml -m dflash_stream run --config configs/demo.yaml
 	$(BIN)/python scripts/demo_engines.py

