@@ -95,7 +95,8 @@ def leave_process_group(wait_for: dist.ProcessGroup | None = None) -> None:
     if wait_for is not None:
         with contextlib.suppress(RuntimeError):
             dist.barrier(group=wait_for)
-    dist.destroy_process_group()
+    with contextlib.suppress(RuntimeError):  # called in `finally` too: never hide the error that led here
+        dist.destroy_process_group()
 
 
 def assign_role(cfg: Config) -> RoleInfo:

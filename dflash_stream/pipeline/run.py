@@ -328,7 +328,6 @@ def run_command(args: argparse.Namespace) -> int:
         if role.role in ("trainer", "single") else MetricsWriter(output, role.role, role.index)
     )
     metrics.log("start", config=cfg.model_dump(mode="json"))
-    status = None
     try:
         if role.role == "single":
             fields, finished = run_single(cfg, role, store, metrics, device)
@@ -353,8 +352,8 @@ def run_command(args: argparse.Namespace) -> int:
     finally:
         metrics.close()
         lease.release_all()
-        # Extractors leave at once: their devices are free for trainer 0's eval.
-        leave_process_group(role.trainer_group if status is not None else None)
+    # Extractors leave at once: their devices are free for trainer 0's eval.
+    leave_process_group(role.trainer_group)
     return status
 
 
