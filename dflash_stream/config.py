@@ -226,7 +226,8 @@ pass: all of a small store, a window of a large one; `plan` shows it as host RAM
 
 class ExtractConfig(Section):
     batch_tokens: int = Field(8192, ge=16)
-    """Token budget of one forward batch, padding included."""
+    """Token budget of one forward batch, padding included; also the most states (in tokens, padding included)
+    that an in-process generation batch keeps as its answers decode, sparing its samples the capture forward."""
     queue_size: int = Field(4, ge=1)
     """Batches waiting for device-to-host copy and encoding before the forward loop waits."""
     tokens_per_s: float | None = Field(None, gt=0)

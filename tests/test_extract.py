@@ -186,6 +186,34 @@ def test_regenerated_responses_are_extracted_and_cached(tmp_path, tiny_target_di
         {i: s.input_ids.tolist() for i, s in stored.items()}
 
 
+def test_states_recorded_while_generating_are_the_capture_forwards(tmp_path, tiny_target_dir, tiny):
+    """In-process regeneration records a sample's states while its answer decodes (when the generation batch's
+    states fit extract.batch_tokens), and it skips the capture forward. The store holds what that forward gives
+    for prompt + answer, to bf16 rounding: a second extraction, from the cached answers of half the samples by
+    forward and the rest generated again (batches that mix both), stores the same states."""
+    tree = make_cfg(tmp_path, tiny_target_dir, regenerate=True, min_supervised_tokens=2,
+                    generation={"max_new_tokens": 12, "batch_size": 4})
+    tree["data"]["sources"] = [{"path": str(DEMO / "prompts_only.jsonl"), "limit": 8}]
+    extractor, store = start(tree, tiny)
+    assert extractor.run() is True
+    first = {s.sample_id: s for _, s in drain(store)}
+    assert len(first) == 8 and extractor.summary()["recorded_while_generating"] == 8
+
+    cache = next((tmp_path / "out" / "data").glob("responses-*.jsonl"))
+    lines = cache.read_text().splitlines()
+    cache.write_text("\n".join(lines[:4]) + "\n")  # four answers are generated again, four come from the cache
+    tree["store"]["path"] = str(tmp_path / "store2")
+    again, store2 = start(tree, tiny)
+    assert again.run() is True
+    assert again.summary()["recorded_while_generating"] == 4
+    second = {s.sample_id: s for _, s in drain(store2)}
+    assert second.keys() == first.keys()
+    for sample_id, sample in second.items():
+        assert sample.input_ids.tolist() == first[sample_id].input_ids.tolist()
+        torch.testing.assert_close(sample.hidden_states.float(), first[sample_id].hidden_states.float(),
+                                   rtol=8e-3, atol=1e-5)  # one bf16 ulp at a rounding edge
+
+
 def _run_until_idle(extractor, store, outcome: list, timeout: float):
     """The extractor runs in a thread (its result into `outcome`) until its writer says it is idle, it ends, or
     `timeout` passes; returns the thread and the deadline."""
@@ -200,10 +228,10 @@ def _run_until_idle(extractor, store, outcome: list, timeout: float):
     return thread, deadline
 
 
-def test_in_process_regeneration_ramps_up_to_the_generation_batch(tmp_path, tiny_target_dir, tiny):
-    """The trainers wait for the first window's answers: a launch's first windows hold 1/8, 1/4 and 1/2 of
-    data.generation.batch_size prompts, and are generated in batches that small; then whole batches (each window
-    also at least the bytes of WINDOW_SEGMENTS segments)."""
+def test_in_process_regeneration_decodes_whole_generation_batches_from_the_first(tmp_path, tiny_target_dir, tiny):
+    """Every window holds a whole data.generation.batch_size of prompts, the first included (each also at least
+    the bytes of WINDOW_SEGMENTS segments), and is generated in batches that size: a smaller first batch would
+    take most of a whole one's time and leave the trainers waiting for the next."""
     tree = make_cfg(tmp_path, tiny_target_dir, regenerate=True, min_supervised_tokens=2,
                     generation={"max_new_tokens": 6, "batch_size": 8})
     tree["data"]["sources"] = [{"path": str(DEMO / "prompts_only.jsonl"), "limit": 40}]
@@ -211,7 +239,7 @@ def test_in_process_regeneration_ramps_up_to_the_generation_batch(tmp_path, tiny
     extractor, store = start(tree, tiny)
     samples = len(extractor.samples)
     sizes = [len(w) for w in extractor._windows(extractor.samples)]
-    assert sizes[:3] == [1, 2, 4] and set(sizes[3:-1]) == {8} and 0 < sizes[-1] <= 8 and sum(sizes) == samples > 30
+    assert set(sizes[:-1]) == {8} and 0 < sizes[-1] <= 8 and sum(sizes) == samples > 30
 
     model, _ = tiny
     batches: list[int] = []
@@ -221,13 +249,12 @@ def test_in_process_regeneration_ramps_up_to_the_generation_batch(tmp_path, tiny
         batches.append(kwargs["input_ids"].shape[0])
         return real_generate(*args, **kwargs)
 
-    extractor, store = start(tree, tiny, store)  # a fresh launch: the ramp is per launch
     model.generate = recorded
     try:
         assert extractor.run() is True
     finally:
         model.generate = real_generate
-    assert batches[:4] == [1, 2, 4, 8] and sum(batches) == samples
+    assert batches == sizes
     assert sorted(s.sample_id for _, s in drain(store)) == sorted(s.sample_id for s in extractor.samples)
 
 
@@ -247,8 +274,7 @@ def test_a_blocked_extractor_generates_the_coming_answers_then_says_it_is_idle(t
     tree["extract"].update(batch_tokens=64, queue_size=1)
     extractor, store = start(tree, tiny)
     store.set_expected_writers(1)
-    # Windows of 3 samples after the launch's first three (1 sample each: see RAMP_WINDOWS).
-    assert [len(w) for w in extractor._windows(extractor.samples)] == [1, 1, 1, 3, 3, 3, 3]
+    assert [len(w) for w in extractor._windows(extractor.samples)] == [3, 3, 3, 3, 3]
     outcome: list[object] = []
     thread, deadline = _run_until_idle(extractor, store, outcome, 120)
     assert store.writers_idle(), "the blocked extractor never said it is idle"
@@ -346,14 +372,19 @@ def test_progress_reaches_100_percent_when_regeneration_drops_samples(tmp_path, 
     regeneration has its own bar with the generated tokens/s."""
     from dflash_stream.pipeline import extractor as extractor_module
 
-    real = extractor_module.generate_responses
+    real, real_with_states = extractor_module.generate_responses, extractor_module.generate_with_states
     answered = itertools.count()
 
     def every_third_short(model, tokenizer, prompts, gen, budget, **hooks):
         responses = real(model, tokenizer, prompts, gen, budget, **hooks)
         return [r[:1] if next(answered) % 3 == 0 else r for r in responses]
 
+    def every_third_short_with_states(model, tokenizer, prompts, gen, budget, capture, **hooks):
+        answers = real_with_states(model, tokenizer, prompts, gen, budget, capture, **hooks)
+        return [(r[:1], states) if next(answered) % 3 == 0 else (r, states) for r, states in answers]
+
     monkeypatch.setattr(extractor_module, "generate_responses", every_third_short)
+    monkeypatch.setattr(extractor_module, "generate_with_states", every_third_short_with_states)
     tree = make_cfg(tmp_path, tiny_target_dir, regenerate=True, min_supervised_tokens=4,
                     generation={"max_new_tokens": 8, "batch_size": 3})
     tree["data"]["sources"] = [{"path": str(DEMO / "prompts_only.jsonl"), "limit": 9}]
@@ -365,3 +396,4 @@ def test_progress_reaches_100_percent_when_regeneration_drops_samples(tmp_path, 
     assert extractor.report.skipped["short_response"] == 3
     assert extractor._regen_bar.n == extractor._regen_bar.total == 9
     assert "tok/s generated" in extractor._regen_bar.postfix
+    assert extractor._recorded == {}  # the dropped samples' recorded states went with them

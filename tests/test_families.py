@@ -9,17 +9,19 @@ import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from test_pipeline import write_run_config
 
 from dflash_stream.bench.tiny_targets import FAMILIES, save_target
 from dflash_stream.cli import main
-from dflash_stream.config import TargetConfig
+from dflash_stream.config import GenerationConfig, TargetConfig
 from dflash_stream.drafter.export import load_drafter
 from dflash_stream.pipeline.audit import audit_run
 from dflash_stream.target_model import load_target, resolve_layer_ids, target_shape
 from dflash_stream.target_model.capture import LayerCapture
+from dflash_stream.target_model.generate import generate_responses, generate_with_states
 
 DEMO_DATA = Path(__file__).parent.parent / "dflash_stream" / "demo_data"
 FAST = ("qwen3_5", "qwen3_next")  # the headline target as saved (a VLM wrapper), and a hybrid text model
@@ -108,6 +110,30 @@ def test_padded_batch_captures_each_sample_as_alone(family, targets):
         alone = capture(row[None], torch.ones(1, len(row), dtype=torch.long))[0]
         # Captured as bf16: equal float32 states round to the same bf16 value, up to one ulp at a rounding edge.
         torch.testing.assert_close(batched[i, : len(row)].float(), alone.float(), rtol=8e-3, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_states_recorded_while_generating_are_the_capture_forwards(family, targets):
+    """In-process regeneration records the states as the answers decode: left-padded prompts, then one token a
+    step through the KV cache (or the recurrent state). Each row's states equal the capture forward over its
+    prompt + answer to bf16 rounding, every family's layers included, the answers are `generate_responses`'
+    own, and a row that stops early has its stop token's states too."""
+    cfg = TargetConfig(model=str(targets[family]), dtype="float32", device="cpu", num_capture_layers=3)
+    model, tokenizer = load_target(cfg, torch.device("cpu"))
+    capture = LayerCapture(model, resolve_layer_ids(target_shape(cfg).num_layers, cfg))
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 49152, (n,), generator=gen).numpy().astype(np.int32) for n in (19, 7, 12)]
+    free = generate_responses(model, tokenizer, prompts, GenerationConfig(), max_new_tokens=6)
+    # The third token the second row generates becomes a stop token: that row ends early, the others run on.
+    model.generation_config.eos_token_id = free[1][2]
+    answers = generate_responses(model, tokenizer, prompts, GenerationConfig(), max_new_tokens=6)
+    recorded = generate_with_states(model, tokenizer, prompts, GenerationConfig(), 6, capture)
+    assert [r for r, _ in recorded] == answers
+    assert answers[1] == free[1][: free[1].index(free[1][2]) + 1] and len(max(answers, key=len)) == 6
+    for prompt, (answer, states) in zip(prompts, recorded, strict=True):
+        ids = torch.from_numpy(np.concatenate([prompt, np.asarray(answer, dtype=np.int32)]).astype(np.int64))
+        alone = capture(ids[None], torch.ones(1, len(ids), dtype=torch.long))[0]
+        torch.testing.assert_close(states.float(), alone.float(), rtol=8e-3, atol=1e-5)
 
 
 @pytest.mark.parametrize("family", [pytest.param(f, marks=() if f in VERIFIER_FAST else pytest.mark.slow)

@@ -21,7 +21,7 @@ from dflash_stream.sizing.checkpoints import CRASH_COST_WARN_SECONDS, checkpoint
 from dflash_stream.sizing.disk import footprint_for, refusal
 from dflash_stream.sizing.inputs import plan_mean_tokens, plan_samples, read_tune
 from dflash_stream.sizing.memory import memory_plan
-from dflash_stream.sizing.work import device_kind, role_work, split_plan
+from dflash_stream.sizing.work import device_kind, forward_passes, role_work, split_plan
 from dflash_stream.target_model.loading import GPU_EXTRA_INSTALL, TORCH_GDN_SLOWDOWN
 from dflash_stream.target_model.shape import LINEAR, TargetShape, target_shape
 from dflash_stream.target_model.vllm_serve import spool_dir
@@ -305,7 +305,7 @@ def _time_plan(cfg: Config, shape: TargetShape, layer_ids: list[int], work: dict
     regen_s = samples * regen["seconds_per_sample"] / (1 if served else extractors) if regen else 0.0
     if regen:
         phases["data"]["seconds"] = out["regenerate_seconds"] = regen_s
-    phases["extract"]["seconds"] = tokens * cfg.extraction_passes / (work["extract_tok_s"] * computing)
+    phases["extract"]["seconds"] = tokens * forward_passes(cfg.extraction_passes, regen) / (work["extract_tok_s"] * computing)
     phases["train"]["seconds"] = tokens * cfg.train.epochs / (work["train_tok_s"] * trainers)
     raw = tokens * cfg.extraction_passes * shape.hidden_size * len(stored_layer_ids(
         shape.num_layers, cfg.target, cfg.verifier_states)) * 2
@@ -370,12 +370,13 @@ def _epoch_costs(cfg: Config, time_plan: dict, volume: dict, tokens: float | Non
     ext = time_plan["phases"]["extract"]
     once = tokens / (ext["tok_s_per_process"] * ext["processes"]) if tokens else None
     stored = volume["full_dump_stored_bytes"]
+    regen = time_plan["regenerate"]
     return {
         "epochs": epochs, "chosen": cfg.train.epoch_source,
-        "reuse": {"extract_seconds": once, "bytes_written": stored,
+        "reuse": {"extract_seconds": once * forward_passes(1, regen) if once else None, "bytes_written": stored,
                   "note": "extract once; each segment is trained on `epochs` times before it is freed, so "
                           "epochs interleave within the buffer's window instead of full passes"},
-        "reextract": {"extract_seconds": once * epochs if once else None,
+        "reextract": {"extract_seconds": once * forward_passes(epochs, regen) if once else None,
                       "bytes_written": stored * epochs if stored else None,
                       "note": "run the target every epoch: full reshuffle per epoch, extraction cost x epochs"},
     }

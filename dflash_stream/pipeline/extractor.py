@@ -5,6 +5,11 @@ finishes its device-to-host copy, checks it, packs samples into segments of ~sto
 them (the store encodes inside `write`), so the target waits only when that queue is full: the ring buffer is
 full, or encoding falls behind. Batches are length-sorted within windows of a few segments' worth of samples,
 which keeps padding low while every window still covers the whole range of lengths.
+
+With in-process regeneration the states of a window's samples are recorded while the target decodes their
+answers (`generate_with_states`), when a generation batch's states fit `extract.batch_tokens` (the most a capture
+forward holds): those samples skip the capture forward, which would run prompt and answer through the target a
+second time. Answers from the cache (a resumed run, a later pass, a redo) and larger batches take the forward.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from dflash_stream.pipeline.roles import RoleInfo
 from dflash_stream.pipeline.state_health import StateHealth
 from dflash_stream.regenerate.cache import ResponseCache, answers_key, describe_other_caches
 from dflash_stream.regenerate.phase import ServerRegenerator, summary_lines
+from dflash_stream.sizing.memory import records_while_generating
 from dflash_stream.store import Sample, Store, StoreFull, WriterStopped, sizes
 from dflash_stream.target_model import (
     TargetShape,
@@ -41,18 +47,13 @@ from dflash_stream.target_model import (
     stored_layer_ids,
 )
 from dflash_stream.target_model.capture import LayerCapture
-from dflash_stream.target_model.generate import generate_responses
+from dflash_stream.target_model.generate import generate_responses, generate_with_states
 from dflash_stream.target_model.host_copy import HostCopier
 
 log = get_logger(__name__)
 
 WINDOW_SEGMENTS = 4
 """Segments' worth of samples sorted by length together."""
-RAMP_WINDOWS = 3
-"""In-process regeneration: the first windows of a launch hold 1/8, 1/4 and 1/2 of data.generation.batch_size
-samples. The trainers have nothing to train until the first window's answers are generated and its states
-stored, and a small generation batch takes a fraction of a full one's time (a decoding step reads every weight
-whatever the batch: on the demo's CPU, 4 answers take half the time of 32)."""
 
 
 @dataclass
@@ -178,10 +179,12 @@ class Extractor:
         self._dropped_uses = 0  # samples whose regenerated response was too short, per pass: not to extract
         self._regen_bar = None
         self._generated_tokens, self._generate_seconds = 0, 0.0
+        self._recorded: dict[int, torch.Tensor] = {}
+        """States recorded while generating, by sample id (prompt + response), until the sample is extracted."""
+        self.samples_recorded = 0
         # This pass's samples in extraction order, and how far generating their answers ahead went (`_meanwhile`).
         self._ahead: list[PreparedSample] = []
         self._ahead_at = 0
-        self._windows_cut = 0  # this launch's, for the first windows' ramp
         self.ahead_seconds = 0.0
         """Seconds spent generating answers ahead while the forward loop waited for the full buffer."""
         self.backpressure_seconds = self.extract_seconds = 0.0
@@ -254,7 +257,7 @@ class Extractor:
                                   "have; rerun with the same data and number of extractors")
             todo = [by_id[i] for i in part["sample_ids"]]
             if self.cache is not None:
-                todo = self._respond(todo)  # the cached responses: the same samples as the first time
+                todo = self._respond(todo, keep_states=False)  # the cached responses: the same samples as before
             todo.sort(key=lambda s: -s.num_tokens)
             lengths, start, stored = [s.num_tokens for s in todo], 0, []
             while start < len(todo):
@@ -294,6 +297,8 @@ class Extractor:
             # In-process regeneration: all of it, and the part done while the full buffer held the forward back.
             "generate_seconds": round(self._generate_seconds, 2),
             "generate_ahead_seconds": round(self.ahead_seconds, 2),
+            # Samples whose states were recorded while their answers were generated (no capture forward).
+            "recorded_while_generating": self.samples_recorded,
             "batch_tokens": self.batch_tokens,
             "data": {k: v for k, v in self.report.to_dict().items() if k != "sample_ids"},
             **({"regenerate": self._server.summary()} if self._server is not None else {}),
@@ -329,7 +334,19 @@ class Extractor:
         return exhausted and not self._packer.full
 
     def _extract_batch(self, pass_index: int, batch: list[PreparedSample]) -> None:
-        """Run one batch through the target and hand its states to the sink."""
+        """Run one batch through the target and hand its states to the sink (the states recorded while its
+        answers were generated go without a forward)."""
+        recorded = [s for s in batch if s.sample_id in self._recorded]
+        batch = [s for s in batch if s.sample_id not in self._recorded]
+        if recorded:
+            rows = [self._recorded.pop(s.sample_id)[: s.num_tokens] for s in recorded]
+            states = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)
+            self._to_sink(_Captured(pass_index, recorded, states, None))
+            self._forwarded_tokens += sum(s.num_tokens for s in recorded)
+            self.samples_recorded += len(recorded)
+            self._advance(len(recorded))
+        if not batch:
+            return
         for part, states, ready in self._forward(batch):
             self._to_sink(_Captured(pass_index, part, states, ready))
             self._forwarded_tokens += sum(s.num_tokens for s in part)
@@ -442,26 +459,23 @@ class Extractor:
         limit = WINDOW_SEGMENTS * int(self.cfg.store.segment_bytes)
         regenerating = self.cache is not None
         expected_response = self.cfg.data.generation.max_new_tokens if regenerating else 0
-        # A window also holds at least one full generation batch, or `generate` would run under-filled; but the
-        # launch's first windows ramp up to it (RAMP_WINDOWS).
-        in_process = regenerating and self._server is None
-        min_samples = self.cfg.data.generation.batch_size if in_process else 1
+        # A window also holds at least one full generation batch, the first one included: a smaller batch takes
+        # most of a full one's time (a decoding step reads every weight whatever the batch), and the trainers it
+        # would start sooner drain it before the next, larger one is decoded.
+        min_samples = self.cfg.data.generation.batch_size if regenerating and self._server is None else 1
         window, size = [], 0
         for sample in samples:
             window.append(sample)
             size += (sample.num_tokens + expected_response) * self.bytes_per_token
-            ramping = in_process and self._windows_cut < RAMP_WINDOWS
-            floor = max(1, min_samples >> (RAMP_WINDOWS - self._windows_cut)) if ramping else min_samples
-            if len(window) >= floor and (ramping or size >= limit):
+            if len(window) >= min_samples and size >= limit:
                 yield window
-                self._windows_cut += 1
                 window, size = [], 0
         if window:
             yield window
-            self._windows_cut += 1
 
-    def _respond(self, prompts: list[PreparedSample]) -> list[PreparedSample]:
-        """Prompts completed with the target's own (cached or newly generated) responses; short ones dropped."""
+    def _respond(self, prompts: list[PreparedSample], keep_states: bool = True) -> list[PreparedSample]:
+        """Prompts completed with the target's own (cached or newly generated) responses; short ones dropped.
+        `keep_states`: the states of the answers generated here are recorded for `_extract_batch`."""
         gen, max_length = self.cfg.data.generation, self.cfg.data.max_length
         self.cache.refresh()  # another writer's earlier answer to one of these is the one to take
         missing = sorted((s for s in prompts if s.sample_id not in self.cache), key=lambda s: s.num_tokens)
@@ -471,7 +485,7 @@ class Extractor:
                                     "to stop")
             missing = []
         for first in range(0, len(missing), gen.batch_size):
-            self._generate(missing[first : first + gen.batch_size])
+            self._generate(missing[first : first + gen.batch_size], keep_states)
         complete = []
         for prompt in prompts:
             response = self.cache.get(prompt.sample_id)
@@ -482,6 +496,7 @@ class Extractor:
                 continue
             sample = prompt.with_response(response, max_length)
             if int(sample.loss_mask.sum()) < self.cfg.min_supervised_tokens:
+                self._recorded.pop(sample.sample_id, None)
                 self._dropped[sample.sample_id] = ("short_response", sample.origin)
                 self._dropped_uses += 1
                 self._advance(1)
@@ -489,8 +504,9 @@ class Extractor:
                 complete.append(sample)
         return complete
 
-    def _generate(self, prompts: list[PreparedSample]) -> None:
-        """The target's answers to `prompts` (one generation batch), into the cache."""
+    def _generate(self, prompts: list[PreparedSample], keep_states: bool = False) -> None:
+        """The target's answers to `prompts` (one generation batch), into the cache; with `keep_states`, and when
+        the batch's states fit extract.batch_tokens, their states into `_recorded` too."""
         gen = self.cfg.data.generation
         if self._regen_bar is None:
             # Its own bar: generating is usually slower than the forward pass that captures the states.
@@ -501,8 +517,15 @@ class Extractor:
         started = time.perf_counter()
         # The trainers may run out of data in the middle of a batch (it decodes for a while, and they get nothing
         # new until its window is extracted): the cores are weighed again at every decoding step.
-        responses = generate_responses(self.model, self.tokenizer, [s.input_ids for s in chunk], gen, budget,
-                                       on_step=self._weigh_cores)
+        prompts_ids = [s.input_ids for s in chunk]
+        if keep_states and records_while_generating(len(chunk), chunk[-1].num_tokens, budget, self.batch_tokens):
+            answered = generate_with_states(self.model, self.tokenizer, prompts_ids, gen, budget, self.capture,
+                                            on_step=self._weigh_cores)
+            responses = [response for response, _ in answered]
+            self._recorded.update((s.sample_id, states) for s, (_, states) in zip(chunk, answered, strict=True))
+        else:
+            responses = generate_responses(self.model, self.tokenizer, prompts_ids, gen, budget,
+                                           on_step=self._weigh_cores)
         self._generate_seconds += time.perf_counter() - started
         self._generated_tokens += sum(len(r) for r in responses)
         self.cache.add({s.sample_id: r for s, r in zip(chunk, responses, strict=True)})

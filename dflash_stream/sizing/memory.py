@@ -385,6 +385,14 @@ class ForwardShape:
         return {"rows": self.rows, "length": self.length, "tokens": self.tokens}
 
 
+def records_while_generating(rows: int, prompt_width: int, max_new_tokens: int, batch_tokens: int) -> bool:
+    """Whether in-process regeneration keeps a generation batch's states as it decodes (`generate_with_states`),
+    sparing those samples the capture forward: only when they are no more tokens' worth than one capture forward
+    holds (extract.batch_tokens), every row with its left padding over the prompt and each decoding step (one
+    more than the answer's budget)."""
+    return rows * (prompt_width + max_new_tokens + 1) <= batch_tokens
+
+
 def forward_shape(rows: int, length: int) -> ForwardShape:
     return ForwardShape(rows, length, rows * length)
 

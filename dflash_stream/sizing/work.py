@@ -18,6 +18,7 @@ from dflash_stream.sizing.memory import (
     TargetDims,
     device_memory,
     drafter_dims,
+    records_while_generating,
     target_dims,
     target_dtype_bytes,
 )
@@ -108,6 +109,8 @@ def _hf_regeneration(cfg: Config, dims: TargetDims, mean: float, kind: str) -> d
     bandwidth, flops = ASSUMED_BANDWIDTH[kind], ASSUMED_FLOPS[kind]
     step = max((weights + kv_read + state_traffic) / bandwidth, 2 * dims.active_parameters * gen.batch_size / flops)
     prefill = prompt * 2 * dims.active_parameters / flops  # compute bound, like extraction
+    records = cfg.extract.engine == "hf" and records_while_generating(gen.batch_size, round(prompt), round(steps),
+                                                                      cfg.extract.batch_tokens)
     cache = f"the batch's mean KV cache ({fmt_bytes(kv_read)})"
     if state_traffic:
         cache += f" and its linear-attention state, read and written ({fmt_bytes(state_traffic)})"
@@ -117,6 +120,8 @@ def _hf_regeneration(cfg: Config, dims: TargetDims, mean: float, kind: str) -> d
         "prompt_tokens": prompt, "response_tokens": mean - prompt,
         "weight_bytes": weights, "kv_bytes_read_per_step": kv_read, "state_bytes_per_step": state_traffic,
         "bandwidth_bytes_per_s": bandwidth,
+        # The extractors keep the states as the answers decode: the first pass needs no capture forward.
+        "records_states": records,
         "assumptions": [
             f"prompt/response split {PROMPT_SHARE:.0%}/{1 - PROMPT_SHARE:.0%} of the {mean:,.0f} tokens per sample "
             f"(prompt {prompt:,.0f}, response {mean - prompt:,.0f})",
@@ -125,6 +130,9 @@ def _hf_regeneration(cfg: Config, dims: TargetDims, mean: float, kind: str) -> d
             f"each step reads the weights ({fmt_bytes(weights)}) and {cache} at an assumed "
             f"{bandwidth / 1e12:g} TB/s effective per {kind.upper()} process",
             f"prefill compute bound at {flops / 1e12:g} TFLOP/s effective",
+            "the states are kept as the answers decode (a batch's fit extract.batch_tokens): the first pass needs no "
+            "capture forward" if records else
+            "the states come from a capture forward after decoding (a batch's would not fit extract.batch_tokens)",
         ],
     }
 
@@ -204,6 +212,12 @@ def _server_tokens_per_s(cfg: Config, dims: TargetDims, prompt: float, response:
     }
 
 
+def forward_passes(passes: int, regen: dict[str, Any] | None) -> int:
+    """How many of `passes` extraction passes run the capture forward: all, but the first when the answers' states
+    are kept as they decode (`_hf_regeneration`'s records_states)."""
+    return passes - (1 if regen and regen.get("records_states") else 0)
+
+
 def role_work(cfg: Config, shape: TargetShape, layer_ids: list[int], mean: float, tune: dict | None
               ) -> dict[str, Any]:
     """Per-process rates of each role and the seconds of work one sample costs each role on one process."""
@@ -228,8 +242,8 @@ def role_work(cfg: Config, shape: TargetShape, layer_ids: list[int], mean: float
         "extract_tok_s": ext_rate, "extract_source": ext_src, "train_tok_s": train_rate, "train_source": train_src,
         "regenerate": regen, "extract": served,
         # One sample's work per role on one process: regeneration happens once (responses are cached), the
-        # forward once per extraction pass, the drafter step once per epoch.
-        "extractor_seconds_per_sample": on_extractors + mean * cfg.extraction_passes / (ext_rate * servers),
+        # forward once per extraction pass that needs it, the drafter step once per epoch.
+        "extractor_seconds_per_sample": on_extractors + mean * forward_passes(cfg.extraction_passes, regen) / (ext_rate * servers),
         "trainer_seconds_per_sample": mean * cfg.train.epochs / train_rate,
     }
 

@@ -10,6 +10,8 @@ last layer and still stops before the final norm and the LM head.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from functools import partial
 
 import torch
@@ -30,7 +32,8 @@ class LayerCapture:
     """`capture(input_ids, attention_mask)` -> bf16 [B, T, K*D], the K listed layers side by side in the list's
     order (a layer listed twice appears twice).
 
-    The hooks stay registered but act only inside a capture call, so `generate` on the same model is unaffected.
+    The hooks stay registered but act only inside a capture call or `recording()`, so `generate` on the same
+    model is otherwise unaffected.
     """
 
     def __init__(self, model, layer_ids: list[int]) -> None:
@@ -42,12 +45,16 @@ class LayerCapture:
         self._deepest = max(layer_ids)
         self._captured: dict[int, torch.Tensor] = {}
         self._active = False
+        self._recording: dict[int, list[torch.Tensor]] | None = None
         self._handles = [layers[i].register_forward_hook(partial(self._hook, i)) for i in dict.fromkeys(layer_ids)]
 
     def _hook(self, layer_id: int, module, args, output) -> None:
+        hidden = output[0] if isinstance(output, tuple) else output
+        if self._recording is not None:
+            self._recording[layer_id].append(hidden.to(torch.bfloat16))
+            return
         if not self._active:
             return
-        hidden = output[0] if isinstance(output, tuple) else output
         self._captured[layer_id] = hidden.to(torch.bfloat16)
         if layer_id == self._deepest:
             raise _StopForward
@@ -65,6 +72,18 @@ class LayerCapture:
         states = torch.cat([self._captured[i] for i in self.layer_ids], dim=-1)
         self._captured.clear()
         return states
+
+    @contextmanager
+    def recording(self) -> Iterator[Callable[[], torch.Tensor]]:
+        """Inside, every forward of the model records the layers' outputs and runs to its end (a generation: the
+        prompt's forward, then one per decoding step); the yielded function joins what was recorded along time,
+        bf16 [B, T, K*D] in `capture`'s layout."""
+        steps: dict[int, list[torch.Tensor]] = {i: [] for i in self.layer_ids}
+        self._recording = steps
+        try:
+            yield lambda: torch.cat([torch.cat(steps[i], dim=1) for i in self.layer_ids], dim=-1)
+        finally:
+            self._recording = None
 
     def close(self) -> None:
         for handle in self._handles:
