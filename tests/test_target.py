@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-from dflash_stream.config import ConfigError, TargetConfig
+from dflash_stream.config import ConfigError, GenerationConfig, TargetConfig
 from dflash_stream.target_model import load_target, resolve_layer_ids
 from dflash_stream.target_model.capture import LayerCapture
-from dflash_stream.target_model.generate import generate_responses
+from dflash_stream.target_model.generate import generate_responses, generate_with_states
 
 
 @pytest.fixture(scope="module")
@@ -86,12 +86,31 @@ def test_generation_is_unaffected_by_the_capture_hooks(tiny):
     model, tokenizer = tiny
     LayerCapture(model, [0])
     prompts = [np.array([5, 6, 7, 8], dtype=np.int32), np.array([9, 10], dtype=np.int32)]
-    from dflash_stream.config import GenerationConfig
-
     out = generate_responses(model, tokenizer, prompts, GenerationConfig(), max_new_tokens=5)
     alone = generate_responses(model, tokenizer, prompts[1:], GenerationConfig(), max_new_tokens=5)
     assert len(out) == 2 and all(1 <= len(r) <= 5 for r in out)
     assert out[1] == alone[0]  # left padding keeps greedy outputs independent of the batch
+
+
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_states_recorded_while_generating_with_or_without_a_kv_cache(tiny, use_cache):
+    """A target whose config turns the KV cache off (the bench's synthetic Qwen3 configs have use_cache false)
+    runs the whole sequence again at every decoding step: the recording keeps each step's last position, and the
+    states are the capture forward's either way."""
+    model, tokenizer = tiny
+    capture = LayerCapture(model, [1, 3])
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, 49152, (n,), generator=gen).numpy().astype(np.int32) for n in (11, 5)]
+    before = model.generation_config.use_cache
+    model.generation_config.use_cache = use_cache
+    try:
+        recorded = generate_with_states(model, tokenizer, prompts, GenerationConfig(), 7, capture)
+    finally:
+        model.generation_config.use_cache = before
+    for prompt, (answer, states) in zip(prompts, recorded, strict=True):
+        ids = torch.from_numpy(np.concatenate([prompt, np.asarray(answer, dtype=np.int32)]).astype(np.int64))
+        alone = capture(ids[None], torch.ones(1, len(ids), dtype=torch.long))[0]
+        torch.testing.assert_close(states.float(), alone.float(), rtol=8e-3, atol=1e-5)
 
 
 @pytest.mark.slow

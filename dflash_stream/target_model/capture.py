@@ -50,8 +50,10 @@ class LayerCapture:
 
     def _hook(self, layer_id: int, module, args, output) -> None:
         hidden = output[0] if isinstance(output, tuple) else output
-        if self._recording is not None:
-            self._recording[layer_id].append(hidden.to(torch.bfloat16))
+        if (steps := self._recording) is not None:
+            # After the prompt, a forward adds one token: the last position (a target without a KV cache, e.g.
+            # use_cache false in its config, runs the whole sequence again at every step).
+            steps[layer_id].append((hidden[:, -1:] if steps[layer_id] else hidden).to(torch.bfloat16))
             return
         if not self._active:
             return
@@ -76,8 +78,8 @@ class LayerCapture:
     @contextmanager
     def recording(self) -> Iterator[Callable[[], torch.Tensor]]:
         """Inside, every forward of the model records the layers' outputs and runs to its end (a generation: the
-        prompt's forward, then one per decoding step); the yielded function joins what was recorded along time,
-        bf16 [B, T, K*D] in `capture`'s layout."""
+        prompt's forward, then one per decoding step, each adding the last position only); the yielded function
+        joins what was recorded along time, bf16 [B, T, K*D] in `capture`'s layout."""
         steps: dict[int, list[torch.Tensor]] = {i: [] for i in self.layer_ids}
         self._recording = steps
         try:
