@@ -212,3 +212,25 @@ def test_trainer_puts_its_frozen_head_on_the_device(tmp_path, tokenizer):
     finally:
         trainer.close()
         metrics.close()
+
+
+def test_states_recorded_while_generating_on_cuda_are_the_capture_forwards(tokenizer):
+    """In-process regeneration on CUDA in bf16: the states recorded as the answers decode (left padding, the KV
+    cache, the recorded steps copied to the host at the end) are the capture forward's over prompt + answer, to
+    bf16 kernels' rounding."""
+    import numpy as np
+
+    from dflash_stream.config import GenerationConfig
+    from dflash_stream.target_model.capture import LayerCapture
+    from dflash_stream.target_model.generate import generate_with_states
+
+    model = build_target(target_config(**SMALL), CUDA, torch.bfloat16)
+    capture = LayerCapture(model, LAYERS)
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 5000, (n,), generator=gen).numpy().astype(np.int32) for n in (40, 17, 29)]
+    recorded = generate_with_states(model, tokenizer, prompts, GenerationConfig(), 24, capture)
+    for prompt, (answer, states) in zip(prompts, recorded, strict=True):
+        assert states.device.type == "cpu" and states.shape == (len(prompt) + len(answer), len(LAYERS) * 256)
+        ids = torch.from_numpy(np.concatenate([prompt, np.asarray(answer, dtype=np.int32)]).astype(np.int64))
+        alone = capture(ids[None].to(CUDA), torch.ones(1, len(ids), dtype=torch.long, device=CUDA))[0].cpu()
+        torch.testing.assert_close(states.float(), alone.float(), rtol=2e-2, atol=2e-2)
