@@ -54,6 +54,13 @@ def start(tree: dict, target, store=None) -> tuple[Extractor, object]:
     return Extractor(cfg, ROLE, store, metrics, torch.device("cpu"), target=target), store
 
 
+def answering(tmp_path: Path, target_dir: Path, prompts: int, **data) -> dict:
+    """A config whose extractor regenerates the answers to the first `prompts` bundled prompts (batches of 4)."""
+    tree = make_cfg(tmp_path, target_dir, regenerate=True, generation={"max_new_tokens": 12, "batch_size": 4}, **data)
+    tree["data"]["sources"] = [{"path": str(DEMO / "prompts_only.jsonl"), "limit": prompts}]
+    return tree
+
+
 def drain(store, consumer_id: str = "check") -> list:
     """Claim, read and release every ready segment (a trainer, minus the training)."""
     consumer = store.consumer(consumer_id)
@@ -154,9 +161,7 @@ def test_non_finite_states_are_an_error_naming_the_sample(tmp_path, tiny_target_
 
 
 def test_regenerated_responses_are_extracted_and_cached(tmp_path, tiny_target_dir, tiny):
-    tree = make_cfg(tmp_path, tiny_target_dir, regenerate=True, min_supervised_tokens=4,
-                    generation={"max_new_tokens": 12, "batch_size": 4})
-    tree["data"]["sources"] = [{"path": str(DEMO / "prompts_only.jsonl"), "limit": 6}]
+    tree = answering(tmp_path, tiny_target_dir, prompts=6, min_supervised_tokens=4)
     extractor, store = start(tree, tiny)
     assert extractor.run() is True
     stored = {s.sample_id: s for _, s in drain(store)}
@@ -191,9 +196,7 @@ def test_states_recorded_while_generating_are_the_capture_forwards(tmp_path, tin
     states fit extract.batch_tokens), and it skips the capture forward. The store holds what that forward gives
     for prompt + answer, to bf16 rounding: a second extraction, from the cached answers of half the samples by
     forward and the rest generated again (batches that mix both), stores the same states."""
-    tree = make_cfg(tmp_path, tiny_target_dir, regenerate=True, min_supervised_tokens=2,
-                    generation={"max_new_tokens": 12, "batch_size": 4})
-    tree["data"]["sources"] = [{"path": str(DEMO / "prompts_only.jsonl"), "limit": 8}]
+    tree = answering(tmp_path, tiny_target_dir, prompts=8, min_supervised_tokens=2)
     extractor, store = start(tree, tiny)
     assert extractor.run() is True
     first = {s.sample_id: s for _, s in drain(store)}
