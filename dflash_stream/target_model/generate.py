@@ -90,7 +90,9 @@ def generate_with_states(model, tokenizer, prompts: list[np.ndarray], gen: Gener
     decoded, so the last kept token is fed through the model as well; the responses are the same."""
     stop_ids = stop_token_ids(model, tokenizer)
     device = next(model.parameters()).device
-    criteria = [_StopOnceFed(stop_ids, max(len(p) for p in prompts), device)] + ([_EveryStep(on_step)] if on_step is not None else [])
+    criteria: list[StoppingCriteria] = [_StopOnceFed(stop_ids, max(len(p) for p in prompts), device)]
+    if on_step is not None:
+        criteria.append(_EveryStep(on_step))
     with capture.recording() as recorded:
         # eos_token_id None: rows end by `_StopOnceFed` alone, one step after transformers' criterion would.
         out, width = _generate(model, tokenizer, prompts, gen, max_new_tokens + 1, criteria, eos_token_id=None)
@@ -98,7 +100,7 @@ def generate_with_states(model, tokenizer, prompts: list[np.ndarray], gen: Gener
     results = []
     for row, (prompt, tokens) in enumerate(zip(prompts, out, strict=True)):
         response = _cut(tokens, stop_ids, max_new_tokens)
-        # Column width + j holds the states of the token decoding step j fed: response token j.
+        # Column width + i holds response token i's states: decoding step i + 1 fed it.
         kept = states[row, width - len(prompt): width + len(response)]
         if len(kept) != len(prompt) + len(response):
             raise RuntimeError(f"generate recorded {states.shape[1] - width} decoding steps, fewer than the "
