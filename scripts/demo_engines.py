@@ -2,8 +2,7 @@
 (.venv-vllm, from `make vllm-env`); without it, nothing (the demo ends as before).
 
 It runs `eval --engine vllm` on runs/demo/drafter with the demo config's held-out prompts and budget: the GGUF
-target converted to safetensors once (into runs/bench-regenerate, shared with `bench regenerate` and `make
-demo-served`), vLLM started with the drafter as its DFlash speculator, the same prompts asked of both engines. The
+target converted to safetensors once (the conversion every load of it reads, docs/targets.md), vLLM started with the drafter as its DFlash speculator, the same prompts asked of both engines. The
 result replaces runs/demo/eval.json (today's keys, and `engines` with both τ side by side).
 """
 

@@ -21,6 +21,15 @@ from dflash_stream.store import lease
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _gguf_conversions(tmp_path_factory):
+    """The session's GGUF conversions (`gguf_cache`) in its own folder, for every process the tests start: the
+    first load converts, as on a new machine, and nothing is read from or left in the user's cache."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("DFLASH_STREAM_CACHE", str(tmp_path_factory.mktemp("dflash-stream-cache")))
+        yield
+
+
 @pytest.fixture(autouse=True)
 def _leases_released():
     """A test's store leases end with it, as a process's end with the process: its folders go when it passes

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -129,11 +131,12 @@ def test_real_target_from_gguf(demo_model, demo_target):
         assert torch.equal(states[0, :, k * 576:(k + 1) * 576], reference[layer + 1][0].to(torch.bfloat16))
 
 
-def test_a_gguf_config_is_parsed_once_per_process_and_each_caller_gets_its_own(demo_model, monkeypatch):
+def test_a_gguf_config_is_parsed_once_per_process_and_each_caller_gets_its_own(demo_model, monkeypatch, tmp_path):
     import transformers
 
     from dflash_stream.target_model.location import load_target_config
 
+    monkeypatch.setenv("DFLASH_STREAM_CACHE", str(tmp_path))  # no conversion: the GGUF file's own path
     target = TargetConfig(model=str(demo_model[0]), gguf_file=demo_model[1])
     first = load_target_config(target)
     first.num_hidden_layers = 1  # a caller's change stays its own
@@ -161,3 +164,64 @@ def test_a_gguf_config_is_parsed_once_per_process_and_each_caller_gets_its_own(d
         loading.load_target(target, torch.device("cpu"))
     assert handed["config"].hidden_size == 576 and handed["config"].num_hidden_layers == 30
     assert handed["gguf_file"] == demo_model[1]
+
+
+@pytest.mark.slow
+def test_a_gguf_target_is_converted_once_and_loads_the_same_from_the_conversion(demo_model, tmp_path, monkeypatch):
+    """The first full load of a GGUF target saves its conversion; later loads (the weights, the tokenizer, the
+    config, the trainer's embedding and LM head) read only that and get what the GGUF file gives."""
+    import shutil
+
+    import transformers.modeling_gguf_pytorch_utils as gguf_utils
+
+    from dflash_stream.drafter import head as head_module
+    from dflash_stream.target_model import gguf_cache, location
+
+    folder = tmp_path / "model"
+    folder.mkdir()
+    shutil.copy(demo_model[0] / demo_model[1], folder)  # its own file: its mtime is changed below
+    target = TargetConfig(model=str(folder), gguf_file=demo_model[1])
+    source = location.gguf_source(target)
+    monkeypatch.setenv("DFLASH_STREAM_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(location, "_GGUF_CONFIGS", {})
+
+    gguf_head = head_module.load_target_head(target, "cpu", verifier=True)
+    gguf_config = location.load_target_config(target).to_dict()
+    assert gguf_cache.converted(source) is None
+    model, tokenizer = load_target(target, torch.device("cpu"))  # converts
+    assert gguf_cache.converted(source) == gguf_cache.converted(source, torch.float32) is not None
+
+    def no_gguf(*args, **kwargs):
+        raise AssertionError("the GGUF file was read again")
+
+    monkeypatch.setattr(gguf_utils, "load_gguf_checkpoint", no_gguf)
+    monkeypatch.setattr(head_module, "_from_gguf", no_gguf)
+    monkeypatch.setattr(location, "_GGUF_CONFIGS", {})
+    again, tokenizer_again = load_target(target, torch.device("cpu"))
+    head = head_module.load_target_head(target, "cpu", verifier=True)
+    config = location.load_target_config(target).to_dict()
+
+    weights, weights_again = model.state_dict(), again.state_dict()
+    assert weights.keys() == weights_again.keys()
+    assert all(torch.equal(weights[k], weights_again[k]) for k in weights)
+    assert torch.equal(head.embed_weight, gguf_head.embed_weight)
+    assert torch.equal(head.lm_head_weight, gguf_head.lm_head_weight)
+    assert torch.equal(head.final_norm.weight, gguf_head.final_norm.weight)
+    # What saving adds: the class name vLLM picks the model by, the dtype and where it was read from.
+    assert {k for k in config.keys() | gguf_config.keys() if config.get(k) != gguf_config.get(k)} <= {
+        "architectures", "dtype", "_name_or_path"}
+    messages = [[{"role": "user", "content": "Name three colours, then 日本語 🎉"},
+                 {"role": "assistant", "content": "Red, green and <b>blue</b>."}]]
+    assert (tokenizer.apply_chat_template(messages, return_dict=False)
+            == tokenizer_again.apply_chat_template(messages, return_dict=False))
+    assert tokenizer.get_vocab() == tokenizer_again.get_vocab()
+    assert (tokenizer.eos_token_id, tokenizer.pad_token_id) == (tokenizer_again.eos_token_id,
+                                                                tokenizer_again.pad_token_id)
+
+    os.utime(source, ns=(source.stat().st_atime_ns, source.stat().st_mtime_ns + 10**9))
+    assert gguf_cache.converted(source) is None  # a changed file is read, and converted again, afresh
+
+    monkeypatch.setattr(gguf_cache, "ROOM_SHARE", 0.0)  # no room anywhere
+    assert gguf_cache.save_converted(source, model, tokenizer) is None
+    with pytest.raises(ConfigError, match="DFLASH_STREAM_CACHE"):
+        gguf_cache.save_converted(source, model, tokenizer, required=True)

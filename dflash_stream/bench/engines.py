@@ -276,7 +276,7 @@ class Bench:
 
         cfg = evaluator.cfg
         workdir = self.workdir / "engines" / name
-        model_dir = safetensors_copy(cfg.target, evaluator.tokenizer, workdir, evaluator.target)
+        model_dir = safetensors_copy(cfg.target, evaluator.tokenizer, evaluator.target)
         prompts = [ids[0].tolist() for ids in evaluator.encoded]
         longest = max(len(p) for p in prompts) + self.max_new_tokens
         dtype = str(resolve_dtype(cfg.target, torch.device("cpu"))).removeprefix("torch.")

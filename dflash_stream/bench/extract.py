@@ -7,7 +7,7 @@ real demo target (or `--model`). The store figure comes from a full `Extractor` 
 
 `engines` times each engine end to end on the same samples into a fresh store: `hf` is the extractor's own
 forward (the `extract_tok_s` above), `vllm` a vLLM server from `.venv-vllm` (`make vllm-env`) started with
-`serve-command`'s flags on the target (a GGUF one converted to safetensors once, into --workdir) and the
+`serve-command`'s flags on the target (a GGUF one converted to safetensors once: `gguf_cache`) and the
 served extractor asking it; its start-up is timed apart. `max_rel_vs_hf` is the worst layer's
 max |vLLM - ours| / max |ours| over every token of the samples, vLLM's states as the server wrote them and ours as
 the store keeps them (bf16).
@@ -158,7 +158,7 @@ def bench_extract(args: argparse.Namespace) -> int:
                                           dtype), layer_ids, shape.hidden_size, samples, ours)
             served["startup_seconds"] = None  # a server the bench did not start
         else:
-            model_dir = safetensors_copy(cfg.target, tokenizer, workdir, model)
+            model_dir = safetensors_copy(cfg.target, tokenizer, model)
             del model, capture, extractor
             gc.collect()  # the server gets the memory and the cores
             served = bench_vllm(cfg, model_dir, layer_ids, shape.hidden_size, samples, ours, workdir,

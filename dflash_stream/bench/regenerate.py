@@ -11,8 +11,8 @@ configs/demo.yaml by default), the same token budget, greedy, for each engine:
 - `transformers`: `transformers serve --continuous-batching`, asked the same way (it takes no token ids, so the
   client sends text and tokenizes the answers: counted as `from_text`).
 
-Servers load a folder of safetensors: a GGUF target (the demo's) is converted once, dequantized, into the work
-folder and reused after. Their start-up (and one warm-up request) is not timed, only the generation; one server
+Servers load a folder of safetensors: a GGUF target (the demo's) is converted once, dequantized, into the cache
+that every load of it reads after (`gguf_cache`). Their start-up (and one warm-up request) is not timed, only the generation; one server
 runs at a time, so no two engines compete for the cores. `agree_with_hf` counts the answers identical token for
 token to hf's: greedy decoding in other kernels may take another branch where two logits nearly tie, and an answer
 that comes back as text may tokenize otherwise (`retokenize_differs` counts the id answers for which it would).
@@ -152,7 +152,7 @@ def run_bench(cfg: Config, options: BenchOptions) -> dict[str, Any]:
         engines["hf"], hf_answers, model = run_hf(cfg, samples, options)
     servers = [e for e in options.engines if e != "hf"]
     if servers:
-        model_dir = safetensors_copy(cfg.target, tokenizer, options.workdir, model)
+        model_dir = safetensors_copy(cfg.target, tokenizer, model)
         del model  # the servers get the memory and the cores
         gc.collect()
         for kind in servers:

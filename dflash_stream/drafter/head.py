@@ -12,7 +12,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dflash_stream.config import ConfigError, TargetConfig
-from dflash_stream.target_model.location import model_location
+from dflash_stream.target_model.gguf_cache import converted
+from dflash_stream.target_model.location import gguf_source, model_location
 from dflash_stream.target_model.shape import model_shape, target_shape, text_config_of
 
 
@@ -160,10 +161,15 @@ def load_target_head(target: TargetConfig, device: torch.device | str, dtype: to
                      verifier: bool = False) -> TargetHead:
     """The target's embedding and LM head, honouring `tie_word_embeddings`, as a frozen module on `device`; with
     `verifier`, its final norm too (for the logits of the stored verifier states)."""
-    location, kwargs = model_location(target)
+    location, _ = model_location(target)
     shape = target_shape(target, download=True, hints=False, count=False)
-    if target.gguf_file:
-        embed, head, norm = _from_gguf(Path(location) / kwargs["gguf_file"], verifier)
+    if (source := gguf_source(target)) is not None:
+        # A conversion holds the dequantized weights exactly in float32, else rounded to its own dtype.
+        folder = converted(source, torch.float32) or converted(source, dtype)
+        if folder is None:
+            embed, head, norm = _from_gguf(source, verifier)
+        else:
+            embed, head, norm = _from_safetensors(str(folder), None, shape.tie_word_embeddings, verifier)
     else:
         embed, head, norm = _from_safetensors(location, target.revision, shape.tie_word_embeddings, verifier)
     convert = {"device": device, "dtype": dtype}

@@ -299,7 +299,7 @@ def vllm_eval(job: ServedEval, drafter_dir: str | Path, block_size: int, max_new
     import torch
 
     workdir = Path(workdir)
-    model_dir = safetensors_copy(job.target, job.tokenizer, workdir, job.model)
+    model_dir = safetensors_copy(job.target, job.tokenizer, job.model)
     longest = drafting_model_len(max(len(p) for p in job.prompts), max_new_tokens, block_size)
     dtype = str(resolve_dtype(job.target, torch.device("cpu"))).removeprefix("torch.")
     log_path = workdir / "logs" / "vllm-eval.log"

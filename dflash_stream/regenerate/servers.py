@@ -9,7 +9,6 @@ import json
 import math
 import os
 import re
-import shutil
 import signal
 import socket
 import subprocess
@@ -27,8 +26,6 @@ log = get_logger(__name__)
 
 KV_BLOCK = 32
 """Tokens per KV cache block of `transformers serve`'s continuous batching."""
-CONVERTED_STAMP = "converted-from.json"
-"""Beside a converted GGUF target: which file it came from, so a changed file is converted again."""
 VLLM_VENV = ".venv-vllm"
 """Where `make vllm-env` puts vLLM's CPU build: its own environment, as it pins an older transformers."""
 BATCH_TOKENS = 2048
@@ -92,46 +89,25 @@ def vllm_python() -> Path:
     return here if here.exists() or not beside.exists() else beside
 
 
-def safetensors_copy(target: TargetConfig, tokenizer, workdir: Path, model=None) -> Path:
-    """A folder of safetensors a server can load: the target's own folder, or a GGUF target converted once into
-    `workdir` (dequantized, in the dtype the extractors run it in) and reused while the GGUF file is unchanged.
-    `model`: the target already loaded, to spare loading it again."""
-    from dflash_stream.target_model.location import model_location
+def safetensors_copy(target: TargetConfig, tokenizer, model=None) -> Path:
+    """A folder of safetensors a server can load: the target's own folder, or a GGUF target's conversion
+    (`gguf_cache`), made now if there is none. `model`: the target already loaded on the CPU, to spare loading it
+    again."""
+    import torch
 
-    location, _ = model_location(target)
-    if not target.gguf_file:
-        return Path(location)
-    source = Path(location) / target.gguf_file
-    stamp = {"gguf": str(source.resolve()), "bytes": source.stat().st_size, "mtime_ns": source.stat().st_mtime_ns,
-             "dtype": target.dtype}
-    out = (workdir / f"{source.stem}-safetensors").resolve()
-    try:
-        if json.loads((out / CONVERTED_STAMP).read_text()) == stamp:
-            log.info("servers load %s (the GGUF target %s, converted to safetensors before)", out, source.name)
-            return out
-    except (OSError, ValueError):
-        pass
-    log.info("converting the GGUF target %s to safetensors in %s: vLLM and transformers serve load folders of "
-             "safetensors", source.name, out)
+    from dflash_stream.target_model.gguf_cache import converted, save_converted
+    from dflash_stream.target_model.loading import load_target, resolve_dtype
+    from dflash_stream.target_model.location import gguf_source, model_location
+
+    source = gguf_source(target)
+    if source is None:
+        return Path(model_location(target)[0])
+    if (folder := converted(source, resolve_dtype(target, torch.device("cpu")))) is not None:
+        log.info("servers load %s (the GGUF target %s, converted to safetensors before)", folder, source.name)
+        return folder
     if model is None:
-        import torch
-
-        from dflash_stream.target_model.loading import load_target
-
-        model, _ = load_target(target, torch.device("cpu"))
-    # transformers refuses to save a model it loaded from GGUF ("not serializable") although its weights are
-    # already dequantized tensors: without the quantizer's mark they save as plain ones.
-    model.hf_quantizer = None
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    partial = out.with_name(out.name + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)
-    model.save_pretrained(partial, safe_serialization=True)
-    tokenizer.save_pretrained(partial)
-    (partial / CONVERTED_STAMP).write_text(json.dumps(stamp, indent=2) + "\n")
-    shutil.rmtree(out, ignore_errors=True)
-    partial.rename(out)  # a conversion cut short is never taken for a finished one
-    return out
+        model, tokenizer = load_target(target, torch.device("cpu"))  # converts it, where there is room
+    return converted(source, model.dtype) or save_converted(source, model, tokenizer, required=True)
 
 
 def free_port() -> int:

@@ -10,7 +10,8 @@ from typing import TYPE_CHECKING
 
 from dflash_stream.config import ConfigError, TargetConfig
 from dflash_stream.log import get_logger
-from dflash_stream.target_model.location import load_target_config, model_location
+from dflash_stream.target_model.gguf_cache import converted, save_converted
+from dflash_stream.target_model.location import gguf_source, load_target_config, model_location
 from dflash_stream.target_model.shape import LINEAR, TargetShape, model_shape
 
 if TYPE_CHECKING:
@@ -78,6 +79,8 @@ def load_tokenizer(target: TargetConfig) -> PreTrainedTokenizerBase:
     from transformers import AutoTokenizer
 
     location, kwargs = model_location(target)
+    if (source := gguf_source(target)) is not None and (folder := converted(source)) is not None:
+        location, kwargs = str(folder), {}
     try:
         tokenizer = AutoTokenizer.from_pretrained(location, **kwargs)
     except (OSError, ValueError) as err:
@@ -94,14 +97,20 @@ def load_target(target: TargetConfig, device: torch.device) -> tuple[PreTrainedM
 
     tokenizer = load_tokenizer(target)
     location, kwargs = model_location(target)
+    dtype = resolve_dtype(target, device)
+    source = gguf_source(target)
+    folder = converted(source, dtype) if source is not None else None
+    if folder is not None:
+        location, kwargs = str(folder), {}
     # The config this process already read (a run's ranks read it for the store's layout): a GGUF target's
     # header is otherwise parsed again for it, ~5 s of the demo's load.
     config = load_target_config(target)
     try:
-        model = AutoModelForCausalLM.from_pretrained(location, config=config, dtype=resolve_dtype(target, device),
-                                                     **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(location, config=config, dtype=dtype, **kwargs)
     except OSError as err:
         raise ConfigError(f"target.model: cannot load '{target.model}': {str(err).splitlines()[0]}") from None
+    if source is not None and folder is None:
+        save_converted(source, model, tokenizer)
     model.to(device).eval().requires_grad_(False)
     warn_slow_gdn(model, device)
     return model, tokenizer

@@ -12,6 +12,7 @@ from typing import Any
 
 from dflash_stream.config import ConfigError, TargetConfig
 from dflash_stream.preflight import looks_local
+from dflash_stream.target_model.gguf_cache import converted
 
 
 def model_location(target: TargetConfig) -> tuple[str, dict[str, Any]]:
@@ -36,22 +37,33 @@ def model_location(target: TargetConfig) -> tuple[str, dict[str, Any]]:
     return location, kwargs
 
 
+def gguf_source(target: TargetConfig) -> Path | None:
+    """The target's GGUF file (resolved), or None for a folder of safetensors."""
+    if not target.gguf_file:
+        return None
+    location, kwargs = model_location(target)
+    return (Path(location) / kwargs["gguf_file"]).resolve()
+
+
 _GGUF_CONFIGS: dict[tuple, Any] = {}
 
 
 def load_target_config(target: TargetConfig):
     """The target's transformers config (reads config.json or the GGUF header, not the weights). A GGUF file's
-    header is parsed whole (its vocabulary too: ~5 s for the demo's), so its config is kept for the process
-    while the file is unchanged; callers get their own copy."""
+    header is parsed whole (its vocabulary too: ~5 s for the demo's), so its config is read from the file's
+    conversion where there is one (`gguf_cache`), and kept for the process while the file is unchanged; callers
+    get their own copy."""
     from transformers import AutoConfig
 
     location, kwargs = model_location(target)
     key = None
-    if target.gguf_file:
-        stat = (Path(location) / target.gguf_file).stat()
-        key = (str(Path(location).resolve()), tuple(sorted(kwargs.items())), stat.st_size, stat.st_mtime_ns)
+    if (source := gguf_source(target)) is not None:
+        stat = source.stat()
+        key = (str(source), tuple(sorted(kwargs.items())), stat.st_size, stat.st_mtime_ns)
         if key in _GGUF_CONFIGS:
             return copy.deepcopy(_GGUF_CONFIGS[key])
+        if (folder := converted(source)) is not None:
+            location, kwargs = str(folder), {}
     try:
         config = AutoConfig.from_pretrained(location, **kwargs)
     except OSError as err:

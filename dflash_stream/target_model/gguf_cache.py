@@ -1,0 +1,135 @@
+"""A GGUF target converted once into a folder of safetensors, which later loads read instead of the GGUF file.
+
+transformers dequantizes a GGUF file on every load and parses its whole header (the vocabulary too) for the
+tokenizer and again for the config: ~20 s per process for the demo's 135M target, paid by every extractor, trainer,
+evaluation and server start. The first full load saves what it loaded (the dequantized weights in the dtype it
+loaded them in, the tokenizer, the config) as a plain folder; later loads read that, the same tensors and tokens,
+in well under a second. vLLM and `transformers serve`, which cannot load GGUF, are given the same folder.
+
+The folders live under $DFLASH_STREAM_CACHE (default ~/.cache/dflash-stream), in `gguf/`. One is current while its
+GGUF file has the size and modification time it was converted from, under the same transformers version; a newer
+conversion replaces it. A conversion is written only where it takes at most a tenth of the free space, so a large
+GGUF target never fills the disk a run's store budget counts on; without one, loads read the GGUF file as before.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import socket
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from dflash_stream.config import ConfigError
+from dflash_stream.log import get_logger
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+STAMP = "converted-from.json"
+ROOM_SHARE = 0.1
+"""The most of the cache's free space one conversion may take."""
+
+log = get_logger(__name__)
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("DFLASH_STREAM_CACHE") or Path.home() / ".cache" / "dflash-stream") / "gguf"
+
+
+def _stamp(source: Path) -> dict[str, Any]:
+    import transformers
+
+    stat = source.stat()
+    return {"gguf": str(source), "bytes": stat.st_size, "mtime_ns": stat.st_mtime_ns,
+            "transformers": transformers.__version__}
+
+
+def _prefix(source: Path) -> str:
+    """The folder name up to the dtype: one GGUF file's conversions."""
+    return f"{source.stem}-{hashlib.sha1(str(source).encode()).hexdigest()[:10]}-"
+
+
+def _folder(source: Path, dtype: torch.dtype) -> Path:
+    return cache_root() / (_prefix(source) + str(dtype).removeprefix("torch."))
+
+
+def _current(folder: Path, stamp: dict[str, Any]) -> bool:
+    try:
+        return json.loads((folder / STAMP).read_text()) == stamp
+    except (OSError, ValueError):
+        return False
+
+
+def converted(source: Path, dtype: torch.dtype | None = None) -> Path | None:
+    """The current conversion of the GGUF file `source` in `dtype` (any dtype when None: the tokenizer and the
+    config are the same in all), or None."""
+    stamp = _stamp(source)
+    if dtype is not None:
+        folder = _folder(source, dtype)
+        return folder if _current(folder, stamp) else None
+    prefix = _prefix(source)
+    folders = sorted(cache_root().iterdir()) if cache_root().is_dir() else []
+    # A dtype's name has no dot: an unfinished conversion's (`.partial-…`) does.
+    return next((f for f in folders if f.name.startswith(prefix) and "." not in f.name.removeprefix(prefix)
+                 and _current(f, stamp)), None)
+
+
+def save_converted(source: Path, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
+                   required: bool = False) -> Path | None:
+    """Save `model` and `tokenizer`, just loaded from the GGUF file `source`, as its conversion in the model's
+    dtype; the folder, or None when there is no room for it (ConfigError instead when `required`: servers need
+    it)."""
+    folder = _folder(source, model.dtype)
+    need = sum(p.numel() * p.element_size() for p in model.state_dict().values())
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(folder.parent).free
+    if need > ROOM_SHARE * free:
+        message = (f"the GGUF target {source.name} converted to safetensors needs {need / 2**30:.1f} GiB, more than "
+                   f"a tenth of the {free / 2**30:.1f} GiB free at {folder.parent}")
+        if required:
+            raise ConfigError(f"target.gguf_file: {message}; set DFLASH_STREAM_CACHE to a folder with room")
+        log.info("%s: not converting it (loads read the GGUF file)", message)
+        return None
+    log.info("converting the GGUF target %s to safetensors in %s: later loads and servers read that", source.name,
+             folder)
+    # transformers refuses to save a model it loaded from GGUF ("not serializable") although its weights are
+    # already dequantized tensors: without the quantizer's mark they save as plain ones.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    stamp = _stamp(source)
+    _remove_dead_partials(folder)
+    partial = folder.with_name(f"{folder.name}.partial-{socket.gethostname()}-{os.getpid()}")
+    try:
+        model.save_pretrained(partial, safe_serialization=True)
+        tokenizer.save_pretrained(partial)
+        (partial / STAMP).write_text(json.dumps(stamp, indent=2) + "\n")
+        if not _current(folder, stamp):  # else another process converted it meanwhile, as well
+            shutil.rmtree(folder, ignore_errors=True)  # a stale conversion
+            partial.rename(folder)  # a conversion cut short is never taken for a finished one
+    except (OSError, RuntimeError, ValueError) as err:  # a cache: its failure costs the next load its speed only
+        if not _current(folder, stamp):  # another process's rename won the race: its folder is as good
+            if required:
+                raise ConfigError(f"target.gguf_file: cannot write its conversion to {folder}: {err}") from None
+            log.warning("cannot write the converted GGUF target to %s (%s): loads read the GGUF file", folder, err)
+            return None
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
+    return folder
+
+
+def _remove_dead_partials(folder: Path) -> None:
+    """The unfinished conversions a killed process of this host left (a shared cache may hold other hosts')."""
+    mine = f"{folder.name}.partial-{socket.gethostname()}-"
+    for partial in folder.parent.iterdir():
+        if partial.name.startswith(mine) and partial.name.removeprefix(mine).isdigit():
+            try:
+                os.kill(int(partial.name.removeprefix(mine)), 0)
+            except ProcessLookupError:
+                shutil.rmtree(partial, ignore_errors=True)
+            except PermissionError:  # alive, another user's
+                pass
