@@ -12,12 +12,12 @@ configs/demo.yaml by default), the same token budget, greedy, for each engine:
   client sends text and tokenizes the answers: counted as `from_text`).
 
 Servers load a folder of safetensors: a GGUF target (the demo's) is converted once, dequantized, into the cache
-that every load of it reads after (`gguf_cache`). Their start-up (and one warm-up request) is not timed, only the generation; one server
-runs at a time, so no two engines compete for the cores. `agree_with_hf` counts the answers identical token for
-token to hf's: greedy decoding in other kernels may take another branch where two logits nearly tie, and an answer
-that comes back as text may tokenize otherwise (`retokenize_differs` counts the id answers for which it would).
-Both servers take at most 2,048 tokens per step (vLLM's CPU default), and `transformers serve` gets a KV cache
-sized for the prompts: on CPU it would otherwise reserve 60 % of the machine's RAM.
+that every load of it reads after (`gguf_cache`). Their start-up (and one warm-up request) is not timed, only the
+generation; one server runs at a time, so no two engines compete for the cores. `agree_with_hf` counts the answers
+identical token for token to hf's: greedy decoding in other kernels may take another branch where two logits nearly
+tie, and an answer that comes back as text may tokenize otherwise (`retokenize_differs` counts the id answers for
+which it would). Both servers take at most 2,048 tokens per step (vLLM's CPU default), and `transformers serve`
+gets a KV cache sized for the prompts: on CPU it would otherwise reserve 60 % of the machine's RAM.
 
 On a small CPU machine the thread settings decide the figures, so each engine's entry says what it used: hf runs
 `--threads` torch threads (default: every core); `transformers serve` gets the same through OMP_NUM_THREADS; vLLM's
