@@ -170,7 +170,10 @@ def test_a_gguf_config_is_parsed_once_per_process_and_each_caller_gets_its_own(d
 def test_a_gguf_target_is_converted_once_and_loads_the_same_from_the_conversion(demo_model, tmp_path, monkeypatch):
     """The first full load of a GGUF target saves its conversion; later loads (the weights, the tokenizer, the
     config, the trainer's embedding and LM head) read only that and get what the GGUF file gives."""
+    import json
     import shutil
+    import socket
+    import subprocess
 
     import transformers.modeling_gguf_pytorch_utils as gguf_utils
 
@@ -188,8 +191,19 @@ def test_a_gguf_target_is_converted_once_and_loads_the_same_from_the_conversion(
     gguf_head = head_module.load_target_head(target, "cpu", verifier=True)
     gguf_config = location.load_target_config(target).to_dict()
     assert gguf_cache.converted(source) is None
+    # Beside it: a deleted checkout's conversion, a killed process's unfinished one, and a folder not of ours.
+    root = gguf_cache.cache_root()
+    gone = root / "gone-0123456789-float32"
+    gone.mkdir(parents=True)
+    (gone / gguf_cache.STAMP).write_text(json.dumps({"gguf": str(tmp_path / "gone.gguf"), "bytes": 1}))
+    ended = subprocess.Popen(["true"])
+    ended.wait()
+    killed = root / f"x-float32.partial-{socket.gethostname()}-{ended.pid}"
+    killed.mkdir()
+    (root / "not-ours").mkdir()
     model, tokenizer = load_target(target, torch.device("cpu"))  # converts
     assert gguf_cache.converted(source) == gguf_cache.converted(source, torch.float32) is not None
+    assert sorted(p.name for p in root.iterdir()) == sorted([gguf_cache.converted(source).name, "not-ours"])
 
     def no_gguf(*args, **kwargs):
         raise AssertionError("the GGUF file was read again")

@@ -8,7 +8,7 @@ in well under a second. vLLM and `transformers serve`, which cannot load GGUF, a
 
 The folders live under $DFLASH_STREAM_CACHE (default ~/.cache/dflash-stream), in `gguf/`. One is current while its
 GGUF file has the size and modification time it was converted from, under the same transformers version; a newer
-conversion replaces it. A conversion is written only where it takes at most a tenth of the free space, so a large
+conversion replaces it, and removes those whose GGUF file is gone or changed (a deleted checkout's). A conversion is written only where it takes at most a tenth of the free space, so a large
 GGUF target never fills the disk a run's store budget counts on; without one, loads read the GGUF file as before.
 """
 
@@ -102,7 +102,7 @@ def save_converted(source: Path, model: PreTrainedModel, tokenizer: PreTrainedTo
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     stamp = _stamp(source)
-    _remove_dead_partials(folder)
+    _remove_stale(folder.parent)
     partial = folder.with_name(f"{folder.name}.partial-{socket.gethostname()}-{os.getpid()}")
     try:
         model.save_pretrained(partial, safe_serialization=True)
@@ -122,14 +122,35 @@ def save_converted(source: Path, model: PreTrainedModel, tokenizer: PreTrainedTo
     return folder
 
 
-def _remove_dead_partials(folder: Path) -> None:
-    """The unfinished conversions a killed process of this host left (a shared cache may hold other hosts')."""
-    mine = f"{folder.name}.partial-{socket.gethostname()}-"
-    for partial in folder.parent.iterdir():
-        if partial.name.startswith(mine) and partial.name.removeprefix(mine).isdigit():
+def _remove_stale(root: Path) -> None:
+    """Conversions no load will take again (their GGUF file is gone or changed: a deleted checkout's, an older
+    download's), and the unfinished ones a killed process of this host left (a shared cache may hold other hosts')."""
+    mine = f".partial-{socket.gethostname()}-"
+    for folder in root.iterdir():
+        if mine in folder.name:
+            pid = folder.name.rsplit("-", 1)[1]
+            if pid.isdigit() and not _alive(int(pid)):
+                shutil.rmtree(folder, ignore_errors=True)
+        elif ".partial-" not in folder.name:
             try:
-                os.kill(int(partial.name.removeprefix(mine)), 0)
-            except ProcessLookupError:
-                shutil.rmtree(partial, ignore_errors=True)
-            except PermissionError:  # alive, another user's
-                pass
+                stamp = json.loads((folder / STAMP).read_text())
+                source = Path(stamp["gguf"])
+            except (OSError, ValueError, KeyError, TypeError):
+                continue  # not a conversion of ours
+            try:
+                stat = source.stat()
+                stale = (stamp.get("bytes"), stamp.get("mtime_ns")) != (stat.st_size, stat.st_mtime_ns)
+            except FileNotFoundError:
+                stale = True
+            if stale:
+                shutil.rmtree(folder, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        return True
+    return True
