@@ -40,7 +40,7 @@ def main() -> int:
         kind = "vllm" if vllm_python().exists() else "transformers"
     cfg = load_config(REPO / "configs" / "demo.yaml")
     setup_logging("demo-served")
-    model_dir = safetensors_copy(cfg.target, load_tokenizer(cfg.target), REPO / "runs" / "bench-regenerate")
+    model_dir = safetensors_copy(cfg.target, load_tokenizer(cfg.target))
     subprocess.run(["rm", "-rf", str(OUTPUT)], check=True)  # a fresh run, as `make demo`
     with LocalServer(kind, model_dir, OUTPUT.with_name("demo-served-server.log"), extra_args=("--dtype", "float32")
                      ) as server:
