@@ -235,7 +235,13 @@ def test_a_gguf_target_is_converted_once_and_loads_the_same_from_the_conversion(
     os.utime(source, ns=(source.stat().st_atime_ns, source.stat().st_mtime_ns + 10**9))
     assert gguf_cache.converted(source) is None  # a changed file is read, and converted again, afresh
 
+    # Without a conversion a load reads the GGUF file; a server, which needs one, is told where to make room.
+    monkeypatch.setenv("DFLASH_STREAM_CACHE", str(source))  # a file: no folder can be made in it
+    assert gguf_cache.save_converted(source, model, tokenizer) is None
+    with pytest.raises(ConfigError, match="cannot write the conversion of .*DFLASH_STREAM_CACHE"):
+        gguf_cache.save_converted(source, model, tokenizer, required=True)
+    monkeypatch.setenv("DFLASH_STREAM_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(gguf_cache, "ROOM_SHARE", 0.0)  # no room anywhere
     assert gguf_cache.save_converted(source, model, tokenizer) is None
-    with pytest.raises(ConfigError, match="DFLASH_STREAM_CACHE"):
+    with pytest.raises(ConfigError, match="more than a tenth of .*DFLASH_STREAM_CACHE"):
         gguf_cache.save_converted(source, model, tokenizer, required=True)

@@ -37,6 +37,7 @@ log = get_logger(__name__)
 
 
 def cache_root() -> Path:
+    """Where the conversions live: $DFLASH_STREAM_CACHE/gguf, by default ~/.cache/dflash-stream/gguf."""
     return Path(os.environ.get("DFLASH_STREAM_CACHE") or Path.home() / ".cache" / "dflash-stream") / "gguf"
 
 
@@ -81,19 +82,20 @@ def converted(source: Path, dtype: torch.dtype | None = None) -> Path | None:
 def save_converted(source: Path, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
                    required: bool = False) -> Path | None:
     """Save `model` and `tokenizer`, just loaded from the GGUF file `source`, as its conversion in the model's
-    dtype; the folder, or None when there is no room for it (ConfigError instead when `required`: servers need
-    it)."""
+    dtype; the folder, or None when there is no room for it or it cannot be written (ConfigError instead when
+    `required`: servers need it)."""
     folder = _folder(source, model.dtype)
+    stamp = _stamp(source)
+    try:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        _remove_stale(folder.parent)
+        free = shutil.disk_usage(folder.parent).free
+    except OSError as err:
+        return _without(f"cannot write the conversion of {source.name} to {folder.parent}: {err}", required)
     need = sum(p.numel() * p.element_size() for p in model.state_dict().values())
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    free = shutil.disk_usage(folder.parent).free
     if need > ROOM_SHARE * free:
-        message = (f"the GGUF target {source.name} converted to safetensors needs {need / 2**30:.1f} GiB, more than "
-                   f"a tenth of the {free / 2**30:.1f} GiB free at {folder.parent}")
-        if required:
-            raise ConfigError(f"target.gguf_file: {message}; set DFLASH_STREAM_CACHE to a folder with room")
-        log.info("%s: not converting it (loads read the GGUF file)", message)
-        return None
+        return _without(f"the conversion of {source.name} to safetensors needs {need / 2**30:.1f} GiB, more than a "
+                        f"tenth of the {free / 2**30:.1f} GiB free at {folder.parent}", required)
     log.info("converting the GGUF target %s to safetensors in %s: later loads and servers read that", source.name,
              folder)
     # transformers refuses to save a model it loaded from GGUF ("not serializable") although its weights are
@@ -101,8 +103,6 @@ def save_converted(source: Path, model: PreTrainedModel, tokenizer: PreTrainedTo
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    stamp = _stamp(source)
-    _remove_stale(folder.parent)
     partial = folder.with_name(f"{folder.name}.partial-{socket.gethostname()}-{os.getpid()}")
     try:
         model.save_pretrained(partial, safe_serialization=True)
@@ -112,14 +112,19 @@ def save_converted(source: Path, model: PreTrainedModel, tokenizer: PreTrainedTo
             shutil.rmtree(folder, ignore_errors=True)  # a stale conversion
             partial.rename(folder)  # a conversion cut short is never taken for a finished one
     except (OSError, RuntimeError, ValueError) as err:  # a cache: its failure costs the next load its speed only
-        if not _current(folder, stamp):  # another process's rename won the race: its folder is as good
-            if required:
-                raise ConfigError(f"target.gguf_file: cannot write its conversion to {folder}: {err}") from None
-            log.warning("cannot write the converted GGUF target to %s (%s): loads read the GGUF file", folder, err)
-            return None
+        if not _current(folder, stamp):  # else another process's rename won the race: its folder is as good
+            return _without(f"cannot write the conversion of {source.name} to {folder}: {err}", required)
     finally:
         shutil.rmtree(partial, ignore_errors=True)
     return folder
+
+
+def _without(why: str, required: bool) -> None:
+    """No conversion: a server cannot do without one (ConfigError); a load reads the GGUF file instead."""
+    if required:
+        raise ConfigError(f"target.gguf_file: {why}; set DFLASH_STREAM_CACHE to a folder with room")
+    log.warning("%s: loads read the GGUF file (~20 s for the demo's), DFLASH_STREAM_CACHE elsewhere spares it", why)
+    return None
 
 
 def _remove_stale(root: Path) -> None:
