@@ -149,6 +149,13 @@ def test_combined_run_under_accelerate(tiny_target_dir, tmp_path):
     # The extractor leaves after trainer 0's part: its figures are merged all the same (issue 26, item 5).
     extractor = json.loads((output / "summary-parts" / "extractor-0.json").read_text())
     assert summary["missing_parts"] == [] and summary["extract_seconds"] == round(extractor["extract_seconds"], 2) > 0
+    # Each rank's own CPU time (its threads' too), as its part gave it; a process's start before the run's clock
+    # (imports, loading) is in it, hence the slack.
+    cores = len(os.sched_getaffinity(0))
+    assert summary["process_cpu_seconds"]["extractor-0"] == extractor["cpu_seconds"]
+    assert set(summary["process_cpu_seconds"]) == {"extractor-0", "trainer-0"}
+    assert all(0 < s < (summary["wall_seconds"] + 60) * cores for s in summary["process_cpu_seconds"].values())
+    assert "process_cpu_seconds.trainer-0" in out
     # What checkpoints cost: each one's stall and write time in the metrics, their totals in the summary.
     timed = [e for e in events(output) if e["event"] == "checkpoint" and e["rank"] == 0]
     assert summary["checkpoints"] == len(timed) > 1

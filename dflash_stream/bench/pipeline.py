@@ -98,6 +98,8 @@ def _streaming(stream: dict[str, Any], run: Timed, sequential_seconds: float, bu
         "peak_store_bytes": stream["peak_store_bytes"],
         "peak_within_budget": stream["peak_store_bytes"] <= budget,
         "samples_trained": stream["samples_trained"],
+        # Rank by rank, to set beside the sequential commands' `cpu_seconds` (one process each).
+        "process_cpu_seconds": stream.get("process_cpu_seconds"),
     }
 
 
@@ -221,4 +223,8 @@ def bench_pipeline(args: argparse.Namespace) -> int:
                   f"{r['extractor_generate_ahead_seconds']:.1f} s while the buffer was full); train "
                   f"{r['train_seconds']:.1f} s (sequential {phases['train_seconds']} s); the extractor held back "
                   f"{r['extractor_backpressure_seconds']:.1f} s, its forward {r['extractor_forward_stall_seconds']:.1f} s")
+            print(f"  {'':<17} CPU s by process: "
+                  + ", ".join(f"{name} {s:.0f}" for name, s in (r["process_cpu_seconds"] or {}).items())
+                  + f" (sequential: extract {result['cpu_seconds']['sequential_extract']:.0f}, "
+                  f"train {result['cpu_seconds']['sequential_train']:.0f})")
     return 0

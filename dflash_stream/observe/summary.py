@@ -75,6 +75,9 @@ def role_figures(parts: list[dict[str, Any]], expected: list[str]) -> dict[str, 
         "checkpoint": lead.get("export"),
         "eval": lead.get("eval"),
         **({"regenerate": regenerated} if regenerated else {}),
+        # Each rank's CPU time, threads included: on a CPU-only host, which role the shared cores went to.
+        "process_cpu_seconds": {part_name(p["role"], p["index"]): p["cpu_seconds"] for p in parts
+                                if "cpu_seconds" in p},
         "missing_parts": missing_parts(parts, expected),
     }
 

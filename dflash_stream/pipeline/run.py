@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import time
 import uuid
 from functools import partial
@@ -116,8 +117,12 @@ only runs out when a rank died or hangs."""
 def _write_summary_part(output: Path, role: RoleInfo, fields: dict[str, Any]) -> None:
     path = RunDir(output).summary_part(role.role, role.index)
     path.parent.mkdir(parents=True, exist_ok=True)
+    # The CPU time of every thread of this process (the checkpoint writer's, the store's decoders'): where a
+    # CPU-only run's time went, rank by rank.
+    usage = resource.getrusage(resource.RUSAGE_SELF)
     # `written` tells this launch's parts from those an earlier launch of the same folder left.
-    write_atomic(path, json.dumps({**fields, "written": time.time()}))
+    write_atomic(path, json.dumps({**fields, "cpu_seconds": round(usage.ru_utime + usage.ru_stime, 1),
+                                   "written": time.time()}))
 
 
 def expected_parts(cfg: Config, role: RoleInfo) -> list[str]:
