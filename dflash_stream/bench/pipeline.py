@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dflash_stream.config import TargetConfig, load_config
+from dflash_stream.config import load_config
 from dflash_stream.errors import DFlashError
 from dflash_stream.observe.metrics import peak_store_bytes, read_metrics
 from dflash_stream.pipeline.common import store_layout
@@ -113,21 +113,9 @@ def _sequential_phases(run: Path) -> dict[str, Any]:
             "checkpoints": train.get("checkpoints")}
 
 
-def _convert_first(target: TargetConfig) -> None:
-    """A GGUF target's conversion (`gguf_cache`) made here, untimed: every run then reads it, rather than the first
-    run paying for it."""
-    import torch
-
-    from dflash_stream.target_model.gguf_cache import converted
-    from dflash_stream.target_model.loading import load_target, resolve_dtype
-    from dflash_stream.target_model.location import gguf_source
-
-    cpu = torch.device("cpu")
-    if (source := gguf_source(target)) is not None and converted(source, resolve_dtype(target, cpu)) is None:
-        load_target(target, cpu)
-
-
 def bench_pipeline(args: argparse.Namespace) -> int:
+    from dflash_stream.target_model.loading import gguf_conversion
+
     cfg = load_config(args.config, args.overrides)
     rules = list(dict.fromkeys(r.strip() for r in args.rules.split(",") if r.strip()))
     allowed = ("on_use", "after_checkpoint")
@@ -150,7 +138,8 @@ def bench_pipeline(args: argparse.Namespace) -> int:
         run = timed_run(cmd, work / f"{name}.log")
         return run, json.loads(RunDir(work / name).summary.read_text())
 
-    _convert_first(cfg.target)
+    # A GGUF target's conversion made here, untimed: every run then reads it, rather than the first paying for it.
+    gguf_conversion(cfg.target)
     # Streaming under the config's rule, sequential, then streaming under the others: a load that changes during
     # the bench falls on both sides.
     runs = {rules[0]: stream(rules[0])}

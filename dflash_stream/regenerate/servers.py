@@ -93,21 +93,13 @@ def safetensors_copy(target: TargetConfig, tokenizer, model=None) -> Path:
     """A folder of safetensors a server can load: the target's own folder, or a GGUF target's conversion
     (`gguf_cache`), made now if there is none. `model`: the target already loaded on the CPU, to spare loading it
     again."""
-    import torch
+    from dflash_stream.target_model.loading import gguf_conversion
+    from dflash_stream.target_model.location import model_location
 
-    from dflash_stream.target_model.gguf_cache import converted, save_converted
-    from dflash_stream.target_model.loading import load_target, resolve_dtype
-    from dflash_stream.target_model.location import gguf_source, model_location
-
-    source = gguf_source(target)
-    if source is None:
-        return Path(model_location(target)[0])
-    if (folder := converted(source, resolve_dtype(target, torch.device("cpu")))) is not None:
-        log.info("servers load %s (the GGUF target %s, converted to safetensors before)", folder, source.name)
-        return folder
-    if model is None:
-        model, tokenizer = load_target(target, torch.device("cpu"))  # converts it, where there is room
-    return converted(source, model.dtype) or save_converted(source, model, tokenizer, required=True)
+    folder = gguf_conversion(target, model, tokenizer, required=True)
+    if folder is not None:
+        log.info("servers load %s, the GGUF target %s converted to safetensors", folder, target.gguf_file)
+    return folder or Path(model_location(target)[0])
 
 
 def free_port() -> int:

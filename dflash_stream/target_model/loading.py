@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib
 import os
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from dflash_stream.config import ConfigError, TargetConfig
@@ -114,6 +115,24 @@ def load_target(target: TargetConfig, device: torch.device) -> tuple[PreTrainedM
     model.to(device).eval().requires_grad_(False)
     warn_slow_gdn(model, device)
     return model, tokenizer
+
+
+def gguf_conversion(target: TargetConfig, model: PreTrainedModel | None = None,
+                    tokenizer: PreTrainedTokenizerBase | None = None, required: bool = False) -> Path | None:
+    """A GGUF target's conversion (`gguf_cache`) in the dtype a CPU load gives, made now where there is none: from
+    `model` and `tokenizer` (the target loaded on the CPU), else by loading it. None for a target that is not GGUF,
+    or when no conversion can be made (ConfigError instead when `required`)."""
+    import torch
+
+    source = gguf_source(target)
+    if source is None:
+        return None
+    cpu = torch.device("cpu")
+    if (folder := converted(source, resolve_dtype(target, cpu))) is not None:
+        return folder
+    if model is None:
+        model, tokenizer = load_target(target, cpu)  # converts it, where it can
+    return converted(source, model.dtype) or save_converted(source, model, tokenizer, required)
 
 
 def target_stop_ids(target: TargetConfig, tokenizer: PreTrainedTokenizerBase) -> set[int]:
