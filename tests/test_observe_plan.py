@@ -632,3 +632,36 @@ def test_vllm_headline_config_plans_servers_beside_the_launch() -> None:
     headline = build_plan(load_config(root / "qwen3.6-27b-4gpu.yaml"), samples=914_000, processes=4)
     assert t["total_seconds"] < headline["time"]["total_seconds"]
     assert plan["roles"]["trainers"] > headline["roles"]["trainers"]
+
+
+def test_plan_shows_a_gguf_targets_conversion_beside_the_runs_footprint(tmp_path: Path, monkeypatch) -> None:
+    """The demo's GGUF target is converted into the user's cache by the run's first load (`gguf_cache`): `plan`
+    shows it (its size: the target's parameters in float32 on a CPU run) and whether it will be written, and keeps
+    it out of the footprint `run` refuses on, since it is written only where it takes a tenth of the free space."""
+    from dflash_stream.target_model import gguf_cache
+    from dflash_stream.target_model.location import gguf_source
+
+    monkeypatch.setenv("DFLASH_STREAM_CACHE", str(tmp_path / "cache"))
+    cfg = load_config("configs/demo.yaml")
+    plan = build_plan(cfg)
+    conversion, disk = plan["disk"]["gguf_conversion"], plan["disk"]
+    assert conversion["state"] == "written"
+    assert conversion["bytes"] == pytest.approx(134.5e6 * 4, rel=0.01)  # SmolLM2-135M's weights in float32
+    assert conversion["path"].startswith(str(tmp_path / "cache" / "gguf"))
+    assert disk["total_bytes"] == sum(disk["parts"].values()) < conversion["bytes"]
+    assert "the GGUF target's conversion" in render_plan(plan) and "written by the run's first load" in render_plan(plan)
+
+    real_usage = shutil.disk_usage
+    monkeypatch.setattr(gguf_cache.shutil, "disk_usage",
+                        lambda path: real_usage(path)._replace(free=9 * conversion["bytes"]))
+    assert build_plan(cfg)["disk"]["gguf_conversion"]["state"] == "skipped"
+    monkeypatch.setattr(gguf_cache.shutil, "disk_usage", real_usage)
+
+    folder = Path(conversion["path"])  # a finished conversion of this very file, as the first load leaves it
+    folder.mkdir(parents=True)
+    (folder / "model.safetensors").write_bytes(b"\0" * 1000)
+    (folder / gguf_cache.STAMP).write_text(json.dumps(gguf_cache._stamp(gguf_source(cfg.target))))
+    there = build_plan(cfg)["disk"]["gguf_conversion"]
+    assert there["state"] == "present" and there["bytes"] == 1000 + (folder / gguf_cache.STAMP).stat().st_size
+
+    assert "gguf_conversion" not in build_plan(load_config("configs/qwen3.6-27b-4gpu-vllm.yaml"))["disk"]

@@ -22,7 +22,9 @@ from dflash_stream.sizing.disk import footprint_for, refusal
 from dflash_stream.sizing.inputs import plan_mean_tokens, plan_samples, read_tune
 from dflash_stream.sizing.memory import memory_plan
 from dflash_stream.sizing.work import device_kind, forward_passes, role_work, split_plan
-from dflash_stream.target_model.loading import GPU_EXTRA_INSTALL, TORCH_GDN_SLOWDOWN
+from dflash_stream.target_model.gguf_cache import planned
+from dflash_stream.target_model.loading import GPU_EXTRA_INSTALL, TORCH_GDN_SLOWDOWN, resolve_dtype
+from dflash_stream.target_model.location import gguf_source
 from dflash_stream.target_model.shape import LINEAR, TargetShape, target_shape
 from dflash_stream.target_model.vllm_serve import spool_dir
 from dflash_stream.units import fmt_bytes, fmt_count, fmt_duration
@@ -155,6 +157,8 @@ def build_plan(cfg: Config, samples: int | None = None, mean_tokens: float | Non
 
     disk = disk_space(cfg, budget)
     disk.update(footprint_for(cfg, shape, len(layer_ids), n_samples, mean, tune, ratio))
+    if (conversion := gguf_conversion_plan(cfg, shape)) is not None:
+        disk["gguf_conversion"] = conversion
     if not disk["fits"]:
         warnings.append(f"{refusal(cfg, disk)}; `run` refuses to start")
     if disk["headroom_bytes"] < 0:
@@ -227,6 +231,19 @@ def build_plan(cfg: Config, samples: int | None = None, mean_tokens: float | Non
         "host_memory": host,
         "warnings": warnings,
     }
+
+
+def gguf_conversion_plan(cfg: Config, shape: TargetShape) -> dict[str, Any] | None:
+    """A GGUF target's safetensors conversion in the user's cache (`gguf_cache`), in the dtype the run loads it in;
+    None for other targets. It is not part of the run's footprint: it is written only where it takes at most a
+    tenth of the free space."""
+    import torch
+
+    source = gguf_source(cfg.target)
+    if source is None or not source.is_file() or not shape.num_parameters:
+        return None
+    dtype = resolve_dtype(cfg.target, torch.device("cpu" if device_kind(cfg) == "cpu" else "cuda"))
+    return planned(source, dtype, int(shape.num_parameters) * dtype.itemsize)
 
 
 def kernel_assumptions(shape: TargetShape, kind: str) -> list[str]:
@@ -565,6 +582,13 @@ def render_disk(disk: dict[str, Any]) -> list[str]:
         own = f" + {fmt_bytes(fs['existing_bytes'])} of this run's files" if fs["existing_bytes"] else ""
         out.append(f"  {mount}: needs {fmt_bytes(fs['need_bytes'])} ({', '.join(fs['parts'])}), "
                    f"{fmt_bytes(fs['free_bytes'])} free{own}: {verdict}")
+    if conversion := disk.get("gguf_conversion"):
+        state = {"present": "there already",
+                 "written": "written by the run's first load (a tenth of the free space at most)",
+                 "skipped": f"not written: more than a tenth of the {fmt_bytes(conversion.get('free_bytes', 0))} "
+                            "free there, so loads read the GGUF file"}[conversion["state"]]
+        out.append(f"  outside the run: the GGUF target's conversion, {fmt_bytes(conversion['bytes'])} at "
+                   f"{conversion['path']}: {state}")
     return out
 
 

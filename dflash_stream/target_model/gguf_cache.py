@@ -93,7 +93,7 @@ def save_converted(source: Path, model: PreTrainedModel, tokenizer: PreTrainedTo
     except OSError as err:
         return _without(f"cannot write the conversion of {source.name} to {folder.parent}: {err}", required)
     need = sum(p.numel() * p.element_size() for p in model.state_dict().values())
-    if need > ROOM_SHARE * free:
+    if not _has_room(need, free):
         return _without(f"the conversion of {source.name} to safetensors needs {need / 2**30:.1f} GiB, more than a "
                         f"tenth of the {free / 2**30:.1f} GiB free at {folder.parent}", required)
     log.info("converting the GGUF target %s to safetensors in %s: later loads and servers read that", source.name,
@@ -117,6 +117,26 @@ def save_converted(source: Path, model: PreTrainedModel, tokenizer: PreTrainedTo
     finally:
         shutil.rmtree(partial, ignore_errors=True)
     return folder
+
+
+def _has_room(need: int, free: int) -> bool:
+    return need <= ROOM_SHARE * free
+
+
+def planned(source: Path, dtype: torch.dtype, weight_bytes: int) -> dict[str, Any]:
+    """What the run's first load of `source` in `dtype` leaves in the cache, for `plan`: the folder, its size (on
+    disk when it is there, else the weights' `weight_bytes`) and `state`: `present`, `written` or `skipped` (no room:
+    loads read the GGUF file)."""
+    folder = _folder(source, dtype)
+    if _current(folder, _stamp(source)):
+        size = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+        return {"path": str(folder), "bytes": size, "state": "present"}
+    probe = folder.parent
+    while not probe.exists():
+        probe = probe.parent
+    free = shutil.disk_usage(probe).free
+    return {"path": str(folder), "bytes": weight_bytes, "free_bytes": free,
+            "state": "written" if _has_room(weight_bytes, free) else "skipped"}
 
 
 def _without(why: str, required: bool) -> None:
