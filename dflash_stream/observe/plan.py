@@ -237,11 +237,11 @@ def gguf_conversion_plan(cfg: Config, shape: TargetShape) -> dict[str, Any] | No
     """A GGUF target's safetensors conversion in the user's cache (`gguf_cache`), in the dtype the run loads it in;
     None for other targets. It is not part of the run's footprint: it is written only where it takes at most a
     tenth of the free space."""
-    import torch
-
     source = gguf_source(cfg.target)
     if source is None or not source.is_file() or not shape.num_parameters:
         return None
+    import torch  # here only: `plan` on a config without a local model never imports torch
+
     dtype = resolve_dtype(cfg.target, torch.device("cpu" if device_kind(cfg) == "cpu" else "cuda"))
     return planned(source, dtype, int(shape.num_parameters) * dtype.itemsize)
 
