@@ -18,11 +18,11 @@ import yaml
 
 from dflash_stream.config import REPLAY_WINDOW_BYTES, Config, ConfigError
 from dflash_stream.sizing.checkpoints import CRASH_COST_WARN_SECONDS, checkpoint_costs
-from dflash_stream.sizing.disk import footprint_for, refusal
+from dflash_stream.sizing.disk import existing_ancestor, footprint_for, refusal
 from dflash_stream.sizing.inputs import plan_mean_tokens, plan_samples, read_tune
 from dflash_stream.sizing.memory import memory_plan
 from dflash_stream.sizing.work import device_kind, forward_passes, role_work, split_plan
-from dflash_stream.target_model.gguf_cache import planned
+from dflash_stream.target_model.gguf_cache import cache_root, planned
 from dflash_stream.target_model.loading import GPU_EXTRA_INSTALL, TORCH_GDN_SLOWDOWN, resolve_dtype
 from dflash_stream.target_model.location import gguf_source
 from dflash_stream.target_model.shape import LINEAR, TargetShape, target_shape
@@ -77,9 +77,7 @@ def read_launch(path: str | None, processes: int | None) -> dict[str, Any]:
 def disk_space(cfg: Config, budget: int) -> dict[str, Any]:
     """Free space where the store will live; an existing store's own files count as reusable."""
     store = Path(cfg.store.path).absolute()
-    probe = store
-    while not probe.exists():
-        probe = probe.parent
+    probe = existing_ancestor(store)
     existing = sum(f.stat().st_size for f in store.rglob("*") if f.is_file()) if store.is_dir() else 0
     free = shutil.disk_usage(probe).free + existing
     return {"checked": str(probe), "free_bytes": free, "store_existing_bytes": existing,
@@ -243,7 +241,8 @@ def gguf_conversion_plan(cfg: Config, shape: TargetShape) -> dict[str, Any] | No
     import torch  # here only: `plan` on a config without a local model never imports torch
 
     dtype = resolve_dtype(cfg.target, torch.device("cpu" if device_kind(cfg) == "cpu" else "cuda"))
-    return planned(source, dtype, int(shape.num_parameters) * dtype.itemsize)
+    free = shutil.disk_usage(existing_ancestor(cache_root())).free
+    return planned(source, dtype, int(shape.num_parameters) * dtype.itemsize, free)
 
 
 def kernel_assumptions(shape: TargetShape, kind: str) -> list[str]:

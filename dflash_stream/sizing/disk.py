@@ -123,7 +123,8 @@ def part_paths(cfg: Config) -> dict[str, list[Path]]:
     }
 
 
-def _existing_ancestor(path: Path) -> Path:
+def existing_ancestor(path: Path) -> Path:
+    """`path`, or its nearest ancestor that exists (where free space can be asked before a folder is made)."""
     while not path.exists():
         path = path.parent
     return path
@@ -131,7 +132,7 @@ def _existing_ancestor(path: Path) -> Path:
 
 def mount_point(path: Path) -> Path:
     """The mount point of the filesystem `path` (or its nearest existing ancestor) is on."""
-    path = _existing_ancestor(path.absolute()).resolve()
+    path = existing_ancestor(path.absolute()).resolve()
     while not os.path.ismount(path):
         path = path.parent
     return path

@@ -8,8 +8,9 @@ in well under a second. vLLM and `transformers serve`, which cannot load GGUF, a
 
 The folders live under $DFLASH_STREAM_CACHE (default ~/.cache/dflash-stream), in `gguf/`. One is current while its
 GGUF file has the size and modification time it was converted from, under the same transformers version; a newer
-conversion replaces it, and removes those whose GGUF file is gone or changed (a deleted checkout's). A conversion is written only where it takes at most a tenth of the free space, so a large
-GGUF target never fills the disk a run's store budget counts on; without one, loads read the GGUF file as before.
+conversion replaces it, and removes those whose GGUF file is gone or changed (a deleted checkout's). A conversion
+is written only where it takes at most a tenth of the free space, so a large GGUF target never fills the disk a
+run's store budget counts on; without one, loads read the GGUF file as before.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ import shutil
 import socket
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+import psutil
 
 from dflash_stream.config import ConfigError
 from dflash_stream.log import get_logger
@@ -123,18 +126,14 @@ def _has_room(need: int, free: int) -> bool:
     return need <= ROOM_SHARE * free
 
 
-def planned(source: Path, dtype: torch.dtype, weight_bytes: int) -> dict[str, Any]:
-    """What the run's first load of `source` in `dtype` leaves in the cache, for `plan`: the folder, its size (on
-    disk when it is there, else the weights' `weight_bytes`) and `state`: `present`, `written` or `skipped` (no room:
-    loads read the GGUF file)."""
+def planned(source: Path, dtype: torch.dtype, weight_bytes: int, free: int) -> dict[str, Any]:
+    """What the run's first load of `source` in `dtype` leaves in the cache (`free` bytes free there), for `plan`:
+    the folder, its size (on disk when it is there, else the weights' `weight_bytes`) and `state`: `present`,
+    `written` or `skipped` (no room: loads read the GGUF file)."""
     folder = _folder(source, dtype)
     if _current(folder, _stamp(source)):
         size = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
         return {"path": str(folder), "bytes": size, "state": "present"}
-    probe = folder.parent
-    while not probe.exists():
-        probe = probe.parent
-    free = shutil.disk_usage(probe).free
     return {"path": str(folder), "bytes": weight_bytes, "free_bytes": free,
             "state": "written" if _has_room(weight_bytes, free) else "skipped"}
 
@@ -154,7 +153,7 @@ def _remove_stale(root: Path) -> None:
     for folder in root.iterdir():
         if mine in folder.name:
             pid = folder.name.rsplit("-", 1)[1]
-            if pid.isdigit() and not _alive(int(pid)):
+            if pid.isdigit() and not psutil.pid_exists(int(pid)):
                 shutil.rmtree(folder, ignore_errors=True)
         elif ".partial-" not in folder.name:
             try:
@@ -170,12 +169,3 @@ def _remove_stale(root: Path) -> None:
             if stale:
                 shutil.rmtree(folder, ignore_errors=True)
 
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's
-        return True
-    return True
